@@ -1,0 +1,83 @@
+"""Text sources (built-in corpora, local files, `datasets`) and seeded calibration token batches."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .corpora import CORPORA, corpus_text
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    dataset: str = "wiki"  # built-in corpus, a .txt/.jsonl path, or a `datasets` name
+    samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+    split: str = "train"  # `datasets` only
+    dataset_config: Optional[str] = None  # `datasets` only
+    text_column: str = "text"  # .jsonl and `datasets`
+
+
+def load_text(dataset: str, part: str = "calib", split: str = "train",
+              dataset_config: Optional[str] = None, text_column: str = "text") -> str:
+    """All text of a source as one string. `part` picks the built-in corpora's calib/eval half."""
+    if dataset in CORPORA:
+        return corpus_text(dataset, part)
+    path = Path(dataset)
+    if path.suffix in (".txt", ".jsonl"):
+        if not path.exists():
+            raise FileNotFoundError(f"calibration/evaluation text file {path} does not exist")
+        if path.suffix == ".txt":
+            return path.read_text(encoding="utf-8")
+        return "\n\n".join(_jsonl_texts(path, text_column))
+    return _datasets_text(dataset, split, dataset_config, text_column)
+
+
+def _jsonl_texts(path: Path, column: str) -> list[str]:
+    texts = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+        if not isinstance(record, dict) or column not in record:
+            raise ValueError(f"{path}:{lineno}: expected an object with a {column!r} field")
+        texts.append(str(record[column]))
+    return texts
+
+
+def _datasets_text(name, split, config, column) -> str:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as err:  # the datasets library raises many types; keep its message
+        raise ValueError(
+            f"could not load dataset {name!r} (config {config!r}, split {split!r}): {err}. "
+            f"Built-in corpora need no network: {sorted(CORPORA)}; local .txt/.jsonl files work too."
+        ) from err
+    if column not in ds.column_names:
+        raise ValueError(f"dataset {name!r} has no column {column!r}; columns: {ds.column_names}")
+    return "\n\n".join(t for t in ds[column] if t)
+
+
+def calibration_batches(cfg: CalibrationConfig, tokenizer) -> torch.Tensor:
+    """(samples, seq_len) token ids: windows cut at seeded random offsets of the tokenized text."""
+    text = load_text(cfg.dataset, "calib", cfg.split, cfg.dataset_config, cfg.text_column)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    if cfg.samples < 1:
+        raise ValueError(f"calibration.samples must be at least 1, got {cfg.samples}")
+    if len(ids) < cfg.seq_len + 1:
+        raise ValueError(
+            f"calibration data {cfg.dataset!r} has {len(ids)} tokens, fewer than one sample of "
+            f"seq_len {cfg.seq_len}; use more text or a smaller calibration.seq_len"
+        )
+    gen = torch.Generator().manual_seed(cfg.seed)
+    starts = torch.randint(0, len(ids) - cfg.seq_len, (cfg.samples,), generator=gen)
+    return torch.stack([ids[s : s + cfg.seq_len] for s in starts.tolist()])

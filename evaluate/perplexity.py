@@ -1,0 +1,78 @@
+"""Perplexity under a pinned, recorded protocol (see PerplexityProtocol)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from lowbit.calibrate.data import load_text
+
+from .config import PerplexityProtocol
+
+WINDOWS_PER_BATCH = 4
+
+
+def bos_id(tokenizer) -> int:
+    token = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if token is None:
+        raise ValueError("perplexity protocol has bos: true but the tokenizer has neither a BOS nor "
+                         "an EOS token; set evaluate.perplexity.bos=false")
+    return token
+
+
+def eval_tokens(tokenizer, protocol: PerplexityProtocol) -> torch.Tensor:
+    text = load_text(protocol.dataset, "eval")
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    if len(ids) < protocol.context_len:
+        raise ValueError(f"evaluation text {protocol.dataset!r} has {len(ids)} tokens, fewer than "
+                         f"one window of {protocol.context_len}")
+    return ids[: protocol.max_tokens]
+
+
+def windows(n_tokens: int, protocol: PerplexityProtocol) -> list[tuple[int, int, int]]:
+    """(begin, end, first_scored) spans of the token stream; each token is scored once."""
+    body = protocol.context_len - int(protocol.bos)
+    stride = min(protocol.stride, body)
+    spans, scored_to = [], 0 if protocol.bos else 1
+    begin = 0
+    while scored_to < n_tokens:
+        end = min(begin + body, n_tokens)
+        spans.append((begin, end, scored_to))
+        scored_to = end
+        begin += stride
+    return spans
+
+
+@torch.no_grad()
+def perplexity(model, tokenizer, protocol: PerplexityProtocol) -> dict:
+    ids = eval_tokens(tokenizer, protocol)
+    prefix = [bos_id(tokenizer)] if protocol.bos else []
+    device = next(model.parameters()).device
+    nll, count = 0.0, 0
+    spans = windows(len(ids), protocol)
+    for i in range(0, len(spans), WINDOWS_PER_BATCH):
+        batch = [s for s in spans[i : i + WINDOWS_PER_BATCH]]
+        width = max(e - b for b, e, _ in batch) + len(prefix)
+        inputs = torch.zeros(len(batch), width, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, (b, e, first) in enumerate(batch):
+            seq = torch.tensor(prefix + ids[b:e].tolist())
+            inputs[row, : len(seq)], mask[row, : len(seq)] = seq, 1
+            scored = slice(len(prefix) + first - b, len(seq))
+            labels[row, scored] = seq[scored]
+        logits = model(input_ids=inputs.to(device), attention_mask=mask.to(device)).logits.float()
+        target = labels[:, 1:].to(device)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1),
+                               ignore_index=-100, reduction="sum")
+        nll += loss.item()
+        count += int((target != -100).sum())
+    return {
+        "perplexity": math.exp(nll / count),
+        "nll_per_token": nll / count,
+        "tokens_scored": count,
+        "windows": len(spans),
+        "bos_token_id": prefix[0] if prefix else None,
+        "stride_effective": min(protocol.stride, protocol.context_len - int(protocol.bos)),
+    }

@@ -1,0 +1,1 @@
+"""Checkpoint writers and readers."""

@@ -1,0 +1,1 @@
+"""Quantization algorithms: one file per algorithm, each a frozen config, a pure core, an apply()."""

@@ -1,0 +1,141 @@
+"""Integer grids, scales and bit packing: small pure functions on tensors.
+
+Weights are (out_features, in_features); groups run along in_features. A scale of shape
+(out, G) covers G equal groups of each row: G == 1 is per-channel, (1, 1) is per-tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+
+Strategy = Literal["tensor", "channel", "group"]
+
+
+@dataclass(frozen=True)
+class IntScheme:
+    """How a weight maps onto an integer grid."""
+
+    bits: int = 4
+    symmetric: bool = True  # symmetric: zero point fixed at 0; asymmetric: a zero point per group
+    strategy: Strategy = "channel"
+    group_size: Optional[int] = None  # only with strategy="group"; a divisor of in_features
+
+    def __post_init__(self):
+        if not 2 <= self.bits <= 8:
+            raise ValueError(f"bits must be between 2 and 8, got {self.bits}")
+        if self.strategy not in ("tensor", "channel", "group"):
+            raise ValueError(f"strategy must be one of tensor, channel, group; got {self.strategy!r}")
+        if (self.strategy == "group") != (self.group_size is not None):
+            raise ValueError("group_size is required with strategy 'group' and only with it")
+        if self.group_size is not None and self.group_size <= 0:
+            raise ValueError(f"group_size must be positive, got {self.group_size}")
+
+    # Codes are signed for both symmetric and asymmetric grids (asymmetric ones shift by a
+    # signed zero point), the convention of compressed-tensors, so export is a plain copy.
+    @property
+    def qmin(self) -> int:
+        return -(2 ** (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    def num_groups(self, in_features: int) -> int:
+        return in_features // self.group_size if self.strategy == "group" else 1
+
+
+def valid_group_sizes(in_features: int) -> list[int]:
+    """Group sizes that divide in_features, among those kernels commonly support."""
+    return [g for g in (16, 32, 64, 128, 256, 512, 1024) if in_features % g == 0]
+
+
+def check_group_size(scheme: IntScheme, in_features: int, layer: str) -> None:
+    if scheme.strategy == "group" and in_features % scheme.group_size:
+        raise ValueError(
+            f"layer {layer}: group_size {scheme.group_size} does not divide in_features "
+            f"{in_features}; valid group sizes: {valid_group_sizes(in_features)} "
+            "(or strategy: channel)"
+        )
+
+
+def grouped(w: torch.Tensor, scheme: IntScheme) -> torch.Tensor:
+    """View w (out, in) as (rows, G, group) with the groups that share one scale."""
+    out, inp = w.shape
+    if scheme.strategy == "tensor":
+        return w.reshape(1, 1, out * inp)
+    return w.reshape(out, scheme.num_groups(inp), -1)
+
+
+def scale_zero_from_range(
+    lo: torch.Tensor, hi: torch.Tensor, scheme: IntScheme
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Scale (and integer zero point) that map [lo, hi] onto the scheme's grid."""
+    if scheme.symmetric:
+        absmax = torch.maximum(lo.abs(), hi.abs())
+        # use the whole signed range: absmax lands at +-(qmax - qmin) / 2, e.g. 7.5 for INT4
+        scale = absmax / ((scheme.qmax - scheme.qmin) / 2)
+        return torch.where(scale > 0, scale, torch.ones_like(scale)), None
+    lo = lo.clamp(max=0)  # keep 0.0 exactly representable (padding, ReLU zeros)
+    hi = hi.clamp(min=0)
+    scale = (hi - lo) / (scheme.qmax - scheme.qmin)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = torch.round(scheme.qmin - lo / scale).clamp(scheme.qmin, scheme.qmax)
+    return scale, zero
+
+
+def compute_scale_zero(w: torch.Tensor, scheme: IntScheme):
+    """Min/max scales for w (out, in): scale (rows, G) and zero (rows, G) or None."""
+    g = grouped(w.float(), scheme)
+    return scale_zero_from_range(g.amin(dim=-1), g.amax(dim=-1), scheme)
+
+
+def quantize_codes(w, scale, zero, scheme: IntScheme) -> torch.Tensor:
+    """Integer codes (int8, same shape as w) of w on the grid given by scale/zero (rows, G)."""
+    g = grouped(w.float(), scheme)
+    q = torch.round(g / scale.unsqueeze(-1))
+    if zero is not None:
+        q = q + zero.unsqueeze(-1)
+    return q.clamp(scheme.qmin, scheme.qmax).to(torch.int8).reshape(w.shape)
+
+
+def dequantize_codes(codes, scale, zero, scheme: IntScheme) -> torch.Tensor:
+    """Float weight (out, in) from int codes and scale/zero (rows, G)."""
+    g = grouped(codes.float(), scheme)
+    if zero is not None:
+        g = g - zero.float().unsqueeze(-1)
+    return (g * scale.float().unsqueeze(-1)).reshape(codes.shape)
+
+
+def fake_quantize(w, scale, zero, qmin: int, qmax: int) -> torch.Tensor:
+    """Round w onto the grid and back; scale/zero broadcast against w (used column-wise by GPTQ)."""
+    q = torch.round(w / scale)
+    if zero is not None:
+        q = q + zero
+    q = q.clamp(qmin, qmax)
+    if zero is not None:
+        q = q - zero
+    return q * scale
+
+
+def pack_codes(codes_unsigned: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned codes (..., n) into int32 (..., n * bits / 32), lowest bits first."""
+    if 32 % bits:
+        raise ValueError(f"packing into int32 needs bits dividing 32 (2, 4, 8), got {bits}")
+    per = 32 // bits
+    if codes_unsigned.shape[-1] % per:
+        raise ValueError(f"last dimension {codes_unsigned.shape[-1]} is not a multiple of {per}")
+    c = codes_unsigned.to(torch.int64).reshape(*codes_unsigned.shape[:-1], -1, per)
+    shifts = torch.arange(per, dtype=torch.int64) * bits
+    packed = (c << shifts).sum(dim=-1)  # fits in 32 unsigned bits
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of pack_codes: unsigned codes (..., n) as uint8."""
+    per = 32 // bits
+    p = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(per, dtype=torch.int64) * bits
+    c = (p.unsqueeze(-1) >> shifts) & (2**bits - 1)
+    return c.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)

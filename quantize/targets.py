@@ -1,0 +1,46 @@
+"""Which linears a recipe quantizes, and swapping them for runtime modules."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from lowbit.calibrate.arch import Arch, is_linear, target_linears
+
+
+def is_ignored(name: str, patterns: tuple[str, ...]) -> bool:
+    """Exact module name, a trailing component path (`lm_head`, `mlp.down_proj`), or `re:REGEX`."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.fullmatch(p[3:], name):
+                return True
+        elif name == p or name.endswith("." + p):
+            return True
+    return False
+
+
+@dataclass
+class Targets:
+    linears: dict[str, nn.Module]  # full name -> module, in layer order
+    ignored: dict[str, str] = field(default_factory=dict)  # full name -> why it stays float
+
+
+def select_targets(model: nn.Module, arch: Arch, ignore: tuple[str, ...]) -> Targets:
+    found = target_linears(model, arch)
+    head = getattr(model, "lm_head", None)
+    if head is not None and is_linear(head):
+        found["lm_head"] = head
+    targets = Targets({})
+    for name, module in found.items():
+        if is_ignored(name, ignore):
+            targets.ignored[name] = "matches the recipe's ignore list"
+        elif not is_linear(module):
+            targets.ignored[name] = f"already {type(module).__name__}, not a float linear"
+        else:
+            targets.linears[name] = module
+    return targets
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    model.set_submodule(name, new)

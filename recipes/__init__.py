@@ -1,0 +1,1 @@
+"""Recipe schema, the run() pipeline, the CLI and the shipped recipes."""

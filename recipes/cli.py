@@ -1,0 +1,91 @@
+"""The `lowbit` command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lowbit.calibrate.corpora import CORPORA
+from lowbit.calibrate.models import BUILTIN_MODELS
+
+from .schema import load_recipe, shipped_recipes
+from .validate import RecipeError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except (RecipeError, FileExistsError, FileNotFoundError, PermissionError, ValueError) as err:
+        print(f"lowbit: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lowbit", description="Quantize, export and evaluate causal LMs.")
+    sub = p.add_subparsers(required=True, metavar="COMMAND")
+    run = sub.add_parser("run", help="run a recipe: calibrate, quantize, export, evaluate")
+    run.add_argument("recipe", help="shipped recipe name (see `lowbit recipes`) or a YAML path")
+    run.add_argument("--model", help="built-in model name, local folder or hub id (overrides the recipe)")
+    run.add_argument("--output", help="checkpoint folder (default runs/<recipe>-<model>)")
+    run.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                     help="override a recipe value, e.g. --set calibration.samples=64")
+    run.set_defaults(handler=_cmd_run)
+    models = sub.add_parser("models", help="list built-in models")
+    models.set_defaults(handler=_cmd_models)
+    recipes = sub.add_parser("recipes", help="list shipped recipes")
+    recipes.set_defaults(handler=_cmd_recipes)
+    return p
+
+
+def _cmd_run(args) -> int:
+    from .run import run
+
+    overrides = list(args.set)
+    if args.model:
+        overrides.append(f"model={args.model}")
+    if args.overwrite:
+        overrides.append("export.overwrite=true")
+    recipe = load_recipe(args.recipe, tuple(overrides))
+    output = Path(args.output or f"runs/{recipe.name}-{Path(recipe.model).name}")
+    results = run(recipe, output)
+    _print_summary(results, output)
+    return 0
+
+
+def _print_summary(r: dict, output: Path) -> None:
+    q, m, t = r["quality"], r["memory"], r["timing"]
+    base = q["baseline_perplexity"]
+    delta = f" ({100 * (q['perplexity'] / base - 1):+.2f}%)" if base else ""
+    print(f"recipe      {r['recipe']['name']} on {r['model']['id']} ({r['model']['params'] / 1e6:.1f}M params)")
+    if base:
+        print(f"perplexity  baseline {base:.3f}  quantized {q['perplexity']:.3f}{delta}  "
+              f"[{q['dataset']}, {q['protocol']['tokens_scored']} tokens, ctx {q['protocol']['context_len']}]")
+    else:
+        print(f"perplexity  quantized {q['perplexity']:.3f}")
+    print(f"weights     {m['weight_bytes'] / 2**20:.1f} MiB (16-bit baseline {m['baseline_weight_bytes'] / 2**20:.1f} MiB)")
+    print("time        " + "  ".join(f"{k[:-2]} {v:.1f}s" for k, v in t.items()))
+    print(f"checkpoint  {output}  (results.json beside it)")
+
+
+def _cmd_models(args) -> int:
+    for name, spec in BUILTIN_MODELS.items():
+        print(f"{name:16s} {spec.description}")
+    print("\nAlso: any local Hugging Face model folder (safetensors) or hub id.")
+    print("Built-in corpora: " + ", ".join(f"{k} ({v})" for k, v in CORPORA.items()))
+    return 0
+
+
+def _cmd_recipes(args) -> int:
+    import yaml
+
+    for name, path in shipped_recipes().items():
+        desc = (yaml.safe_load(path.read_text()) or {}).get("description", "")
+        print(f"{name:24s} {desc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

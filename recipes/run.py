@@ -1,0 +1,104 @@
+"""run(recipe): load → calibrate/quantize steps → export → evaluate what was written."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+import yaml
+
+from lowbit.calibrate.arch import arch_for
+from lowbit.calibrate.data import calibration_batches
+from lowbit.calibrate.models import load_model
+from lowbit.evaluate.baseline import cached_baseline
+from lowbit.evaluate.memory import checkpoint_weight_bytes, model_weight_bytes
+from lowbit.evaluate.perplexity import perplexity
+from lowbit.export import checkpoint
+from lowbit.quantize.step import StepContext
+
+from .schema import Recipe
+from .steps import STEPS
+
+
+@dataclass
+class Timer:
+    seconds: dict
+
+    def __call__(self, key: str):
+        return _Timed(self.seconds, key)
+
+
+class _Timed:
+    def __init__(self, seconds, key):
+        self.seconds, self.key = seconds, key
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.seconds[self.key] = self.seconds.get(self.key, 0.0) + time.perf_counter() - self.start
+
+
+def run(recipe: Recipe, output: str | Path) -> dict:
+    output = Path(output)
+    checkpoint.check_output_dir(output, recipe.export.overwrite)  # fail before hours of work
+    seconds: dict = {}
+    timed = Timer(seconds)
+    model, tokenizer, seconds["load_s"] = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code)
+    info = {"id": recipe.model, "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+            "model_type": model.config.model_type}
+    baseline_bytes = model_weight_bytes(model, bytes_per_param=2)  # as a 16-bit checkpoint
+    protocol = recipe.evaluate.perplexity
+    baseline = None
+    if recipe.evaluate.baseline:
+        with timed("evaluate_s"):  # before quantizing: the model in memory is still the baseline
+            baseline = cached_baseline(recipe.model, protocol, lambda: perplexity(model, tokenizer, protocol))
+    arch = arch_for(model)
+    ctx = StepContext(model, arch, recipe.ignore, lambda: _batches(recipe, tokenizer, timed))
+    steps = []
+    for step in recipe.steps:
+        start = time.perf_counter()
+        with timed("quantize_s"):
+            detail = STEPS[step.name].apply(ctx, step.config)
+        steps.append({"name": step.name, "seconds": time.perf_counter() - start, **detail})
+    seconds["quantize_s"] = seconds.get("quantize_s", 0.0) - seconds.get("calibrate_s", 0.0)
+    with timed("export_s"):
+        checkpoint.save(model, tokenizer, output, recipe.export,
+                        extra_files={"recipe.yaml": yaml.safe_dump(recipe.to_dict(), sort_keys=False)})
+    del model
+    with timed("evaluate_s"):
+        reloaded, _ = checkpoint.load(output, trust_remote_code=recipe.trust_remote_code)
+        quality = perplexity(reloaded, tokenizer, protocol)
+    results = {
+        "lowbit_version": version("lowbit"),
+        "model": info,
+        "recipe": recipe.to_dict(),
+        "quality": {
+            "perplexity": quality["perplexity"],
+            "baseline_perplexity": baseline["perplexity"] if baseline else None,
+            "dataset": protocol.dataset,
+            "protocol": {**recipe.to_dict()["evaluate"]["perplexity"], **_protocol_facts(quality)},
+        },
+        "memory": {"weight_bytes": checkpoint_weight_bytes(output), "baseline_weight_bytes": baseline_bytes},
+        "timing": {k: round(seconds.get(k, 0.0), 3) for k in
+                   ("load_s", "calibrate_s", "quantize_s", "export_s", "evaluate_s")},
+        "steps": steps,
+    }
+    (output / "results.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+def _batches(recipe: Recipe, tokenizer, timed) -> torch.Tensor:
+    with timed("calibrate_s"):
+        print(f"[lowbit] calibration data: {recipe.calibration.samples} samples × "
+              f"{recipe.calibration.seq_len} tokens of {recipe.calibration.dataset!r}", file=sys.stderr)
+        return calibration_batches(recipe.calibration, tokenizer)
+
+
+def _protocol_facts(measured: dict) -> dict:
+    keys = ("tokens_scored", "windows", "bos_token_id", "stride_effective")
+    return {k: measured[k] for k in keys}

@@ -1,0 +1,130 @@
+"""The recipe: what a run does, validated on load (unknown keys, types, step names)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from lowbit.calibrate.data import CalibrationConfig
+from lowbit.evaluate.config import EvaluateConfig
+from lowbit.export.config import ExportConfig
+
+from .steps import STEPS
+from .validate import RecipeError, build, to_plain
+
+SHIPPED_DIR = Path(__file__).parent
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    config: Any
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str = "custom"
+    description: str = ""
+    model: str = "smollm2-135m"  # built-in name, local folder or hub id
+    trust_remote_code: bool = False  # never on unless a recipe or flag asks for it
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    steps: tuple[Step, ...] = ()
+    ignore: tuple[str, ...] = ("lm_head",)  # module names, trailing paths or re:REGEX
+    export: ExportConfig = field(default_factory=ExportConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+
+    def to_dict(self) -> dict:
+        plain = to_plain(self)
+        plain["steps"] = [{s.name: to_plain(s.config)} for s in self.steps]
+        return plain
+
+
+def shipped_recipes() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(SHIPPED_DIR.glob("*.yaml"))}
+
+
+def recipe_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise RecipeError(str(path), "", "recipe file does not exist")
+        return path
+    shipped = shipped_recipes()
+    if name_or_path not in shipped:
+        raise RecipeError(name_or_path, "", f"no such recipe file or shipped recipe; shipped: {sorted(shipped)}")
+    return shipped[name_or_path]
+
+
+def load_recipe(name_or_path: str, overrides: tuple[str, ...] = ()) -> Recipe:
+    path = recipe_path(name_or_path)
+    source = str(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))  # safe_load: never runs code
+    except yaml.YAMLError as err:
+        raise RecipeError(source, "", f"not valid YAML: {err}") from None
+    except UnicodeDecodeError:
+        raise RecipeError(source, "", "not a UTF-8 text file") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(source, "", "a recipe is a mapping of keys (model, calibration, steps, …)")
+    data.setdefault("name", path.stem)
+    for item in overrides:
+        apply_override(data, item, source)
+    return parse_recipe(data, source)
+
+
+def parse_recipe(data: dict, source: str) -> Recipe:
+    steps_data = data.get("steps", [])
+    body = {k: v for k, v in data.items() if k != "steps"}
+    recipe = build(Recipe, body, source)
+    if not isinstance(steps_data, list):
+        raise RecipeError(source, "steps", "expected a list of steps such as '- rtn: {bits: 4}'")
+    steps = tuple(parse_step(item, source, f"steps[{i}]") for i, item in enumerate(steps_data))
+    return Recipe(**{**recipe.__dict__, "steps": steps})
+
+
+def parse_step(item, source: str, key: str) -> Step:
+    if isinstance(item, str):
+        item = {item: None}
+    if not isinstance(item, dict) or len(item) != 1:
+        raise RecipeError(source, key, "each step is one name with its options, e.g. '- rtn: {bits: 4}'")
+    (name, options), = item.items()
+    if name not in STEPS:
+        raise RecipeError(source, f"{key}.{name}", f"unknown step; valid steps: {sorted(STEPS)}")
+    return Step(name, build(STEPS[name].config, options, source, f"{key}.{name}"))
+
+
+def apply_override(data: dict, item: str, source: str) -> None:
+    """`a.b.c=value` sets data['a']['b']['c'] (list items by index); the value is parsed as YAML."""
+    path, sep, raw = item.partition("=")
+    if not sep or not path:
+        raise RecipeError("--set", item, "expected key.path=value, e.g. calibration.samples=64")
+    value = yaml.safe_load(raw)
+    keys = path.split(".")
+    node = data
+    for i, k in enumerate(keys[:-1]):
+        node = _descend(node, k, keys[i + 1], source, ".".join(keys[: i + 1]))
+    last = keys[-1]
+    if isinstance(node, list):
+        node[_index(node, last, path)] = value
+    else:
+        node[last] = value
+
+
+def _descend(node, key: str, next_key: str, source: str, where: str):
+    if isinstance(node, list):
+        return node[_index(node, key, where)]
+    if not isinstance(node, dict):
+        raise RecipeError(source, where, f"cannot set a key inside {type(node).__name__}")
+    if node.get(key) is None:
+        node[key] = {}
+    return node[key]
+
+
+def _index(node: list, key: str, where: str) -> int:
+    if not key.isdigit() or int(key) >= len(node):
+        raise RecipeError("--set", where, f"list index must be 0..{len(node) - 1}, got {key!r}")
+    return int(key)

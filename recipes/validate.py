@@ -1,0 +1,94 @@
+"""Build frozen config dataclasses from plain YAML data, with errors that name file and key path."""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, Union
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run: says which file, which key, and what would be valid."""
+
+    def __init__(self, source: str, key: str, message: str):
+        self.source, self.key = source, key
+        where = f"{source}: {key}" if key else source
+        super().__init__(f"{where}: {message}")
+
+
+def build(cls, data: Any, source: str, key: str = ""):
+    """An instance of dataclass `cls` from a mapping, checking every key and type."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(source, key, f"expected a mapping of {cls.__name__} options, got {_kind(data)}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+    unknown = sorted(set(map(str, data)) - set(fields))
+    if unknown:
+        raise RecipeError(source, _join(key, unknown[0]),
+                          f"unknown key; valid keys here: {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    values = {name: convert(hints[name], value, source, _join(key, name)) for name, value in data.items()}
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as err:
+        raise RecipeError(source, key or "(top level)", str(err)) from None
+
+
+def convert(hint, value, source: str, key: str):
+    """Check `value` against a type hint; returns it converted (lists to tuples, dicts to dataclasses)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, source, key)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return convert(inner[0] if len(inner) == 1 else Union[tuple(inner)], value, source, key)
+    if origin is Literal:
+        if value not in args:
+            raise RecipeError(source, key, f"{value!r} is not valid; choose one of {list(args)}")
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(source, key, f"expected a list, got {_kind(value)}")
+        item = args[0] if args else Any
+        return tuple(convert(item, v, source, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(source, key, f"expected a mapping, got {_kind(value)}")
+        return dict(value)
+    return _scalar(hint, value, source, key)
+
+
+def _scalar(hint, value, source, key):
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float) and isinstance(value, bool):
+        raise RecipeError(source, key, f"expected {hint.__name__}, got a boolean {value!r}")
+    if not isinstance(value, hint):
+        raise RecipeError(source, key, f"expected {hint.__name__}, got {_kind(value)} {value!r}")
+    return value
+
+
+def _kind(value) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "nothing (null)"}.get(type(value), type(value).__name__)
+
+
+def _join(key: str, name) -> str:
+    return f"{key}.{name}" if key else str(name)
+
+
+def to_plain(obj):
+    """Dataclasses, tuples and dicts as plain YAML/JSON-ready data."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not f.name.startswith("_")}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    return obj
