@@ -19,6 +19,7 @@ CORPORA = {
 }
 PARTS = ("calib", "eval")
 EVAL_EVERY = 5  # document i goes to the evaluation part when i % 5 == 4
+VERSION = 2  # bump when extraction or splitting changes, so stale caches are not reused
 
 
 def gensim_test_file(name: str) -> Path:
@@ -36,7 +37,7 @@ def corpus_text(name: str, part: str) -> str:
         raise ValueError(f"unknown built-in corpus {name!r}; built-in: {sorted(CORPORA)}")
     if part not in PARTS:
         raise ValueError(f"unknown corpus part {part!r}; valid: {PARTS}")
-    cached = cache_dir("corpora") / f"{name}-{part}.txt"
+    cached = cache_dir("corpora") / f"{name}-{part}-v{VERSION}.txt"
     if not cached.exists():
         docs = corpus_documents(name)
         chosen = [d for i, d in enumerate(docs) if (i % EVAL_EVERY == EVAL_EVERY - 1) == (part == "eval")]
@@ -47,11 +48,14 @@ def corpus_text(name: str, part: str) -> str:
 
 
 def corpus_documents(name: str) -> list[str]:
+    """Unique documents in file order (the news file repeats some articles)."""
     if name == "wiki":
-        return wiki_articles()
-    if name == "news":
-        return _lines("lee_background.cor")
-    return [text for _, text in review_sentences()]
+        docs = wiki_articles()
+    elif name == "news":
+        docs = _lines("lee_background.cor")
+    else:
+        docs = [text for _, text in review_sentences()]
+    return list(dict.fromkeys(docs))
 
 
 def _lines(filename: str) -> list[str]:
