@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.calibrate.data import load_text
+from lowbit.calibrate.progress import Progress
 
 from .config import PerplexityProtocol
 
@@ -51,6 +52,7 @@ def perplexity(model, tokenizer, protocol: PerplexityProtocol) -> dict:
     device = next(model.parameters()).device
     nll, count = 0.0, 0
     spans = windows(len(ids), protocol)
+    progress = Progress("perplexity", len(spans), "windows")
     for i in range(0, len(spans), WINDOWS_PER_BATCH):
         batch = [s for s in spans[i : i + WINDOWS_PER_BATCH]]
         width = max(e - b for b, e, _ in batch) + len(prefix)
@@ -68,6 +70,8 @@ def perplexity(model, tokenizer, protocol: PerplexityProtocol) -> dict:
                                ignore_index=-100, reduction="sum")
         nll += loss.item()
         count += int((target != -100).sum())
+        for _ in batch:
+            progress.step()
     return {
         "perplexity": math.exp(nll / count),
         "nll_per_token": nll / count,
