@@ -7,7 +7,8 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class ExportConfig:
-    format: Literal["compressed-tensors"] = "compressed-tensors"  # what vLLM and transformers load
+    # compressed-tensors: what vLLM and transformers load; gptq: qweight/qzeros for the GPTQ ecosystem
+    format: Literal["compressed-tensors", "gptq"] = "compressed-tensors"
     overwrite: bool = False  # replace a non-empty output folder
     # dtype of the float tensors and scales in the file; the runtimes compute in it too
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"

@@ -120,22 +120,43 @@ def fake_quantize(w, scale, zero, qmin: int, qmax: int) -> torch.Tensor:
 
 
 def pack_codes(codes_unsigned: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned codes (..., n) into int32 (..., n * bits / 32), lowest bits first."""
-    if 32 % bits:
-        raise ValueError(f"packing into int32 needs bits dividing 32 (2, 4, 8), got {bits}")
-    per = 32 // bits
-    if codes_unsigned.shape[-1] % per:
-        raise ValueError(f"last dimension {codes_unsigned.shape[-1]} is not a multiple of {per}")
-    c = codes_unsigned.to(torch.int64).reshape(*codes_unsigned.shape[:-1], -1, per)
-    shifts = torch.arange(per, dtype=torch.int64) * bits
-    packed = (c << shifts).sum(dim=-1)  # fits in 32 unsigned bits
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    """Pack unsigned codes (..., n) densely into int32 (..., ceil(n * bits / 32)).
+
+    Code i occupies bits [i * bits, (i + 1) * bits) of the little-endian bit stream, so a code
+    may straddle two words when bits does not divide 32 (3, 5, 6, 7); for 2, 4 and 8 bits this
+    is the usual `32 // bits` codes per word, lowest first.
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"packing supports 1 to 8 bits, got {bits}")
+    n = codes_unsigned.shape[-1]
+    blocks = _pad_last(codes_unsigned.to(torch.int64), 32).unflatten(-1, (-1, 32))  # (..., B, 32)
+    start = torch.arange(32, dtype=torch.int64) * bits
+    word, offset = start // 32, start % 32
+    words = torch.zeros(*blocks.shape[:-1], bits, dtype=torch.int64)
+    words.index_add_(-1, word, blocks << offset)  # bits past 32 are masked off below
+    spill = offset + bits > 32  # codes that continue in the next word
+    words.index_add_(-1, word[spill] + 1, blocks[..., spill] >> (32 - offset[spill]))
+    words = (words & 0xFFFFFFFF).flatten(-2)[..., : (n * bits + 31) // 32]
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of pack_codes: unsigned codes (..., n) as uint8."""
-    per = 32 // bits
-    p = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(per, dtype=torch.int64) * bits
-    c = (p.unsqueeze(-1) >> shifts) & (2**bits - 1)
-    return c.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)
+    if not 1 <= bits <= 8:
+        raise ValueError(f"packing supports 1 to 8 bits, got {bits}")
+    words = _pad_last(packed.to(torch.int64) & 0xFFFFFFFF, bits).unflatten(-1, (-1, bits))
+    start = torch.arange(32, dtype=torch.int64) * bits
+    word, offset = start // 32, start % 32
+    nxt = (word + 1).clamp(max=bits - 1)  # only read where the code spills over
+    spill = (offset + bits > 32).to(torch.int64)
+    codes = (words[..., word] >> offset) | ((words[..., nxt] << (32 - offset)) * spill)
+    codes = (codes & (2**bits - 1)).flatten(-2)
+    if codes.shape[-1] < n:
+        raise ValueError(f"packed tensor holds {codes.shape[-1]} codes of {bits} bits, fewer than {n}")
+    return codes[..., :n].to(torch.uint8)
+
+
+def _pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad the last dimension up to a multiple of `multiple`."""
+    pad = -t.shape[-1] % multiple
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t
