@@ -92,7 +92,13 @@ def _loading(qconfig: dict) -> list[str]:
     if qconfig.get("quant_method") == "gptq":
         return ["GPTQ format (`quantize_config.json`): load with GPTQModel, e.g.",
                 "`GPTQModel.load(path)`, or with transformers when gptqmodel and optimum are installed."]
-    return ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "model = AutoModelForCausalLM.from_pretrained(path)  # needs the compressed-tensors package",
-            "tokenizer = AutoTokenizer.from_pretrained(path)", "```",
-            "vLLM loads the folder as is: `vllm serve path`."]
+    load = "AutoModelForCausalLM.from_pretrained(path)"
+    note = []
+    if any(not (g.get("weights") or {}).get("symmetric", True) for g in (qconfig.get("config_groups") or {}).values()):
+        load = "AutoModelForCausalLM.from_pretrained(path, quantization_config=CompressedTensorsConfig(dequantize=True))"
+        note = ["Asymmetric weights: compressed-tensors 0.20.1's default (compressed) load path rejects packed",
+                "zero points, so dequantize on load as above."]
+    return ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig",
+            f"model = {load}  # needs the compressed-tensors package",
+            "tokenizer = AutoTokenizer.from_pretrained(path)", "```", *note,
+            "vLLM reads the compressed-tensors format too (`vllm serve path`); lowbit's tests cover transformers."]
