@@ -124,36 +124,39 @@ def pack_codes(codes_unsigned: torch.Tensor, bits: int) -> torch.Tensor:
 
     Code i occupies bits [i * bits, (i + 1) * bits) of the little-endian bit stream, so a code
     may straddle two words when bits does not divide 32 (3, 5, 6, 7); for 2, 4 and 8 bits this
-    is the usual `32 // bits` codes per word, lowest first.
+    is the usual `32 // bits` codes per word, lowest first. Every 32 codes fill `bits` words.
     """
-    if not 1 <= bits <= 8:
-        raise ValueError(f"packing supports 1 to 8 bits, got {bits}")
+    _check_pack_bits(bits)
     n = codes_unsigned.shape[-1]
-    blocks = _pad_last(codes_unsigned.to(torch.int64), 32).unflatten(-1, (-1, 32))  # (..., B, 32)
-    start = torch.arange(32, dtype=torch.int64) * bits
-    word, offset = start // 32, start % 32
-    words = torch.zeros(*blocks.shape[:-1], bits, dtype=torch.int64)
-    words.index_add_(-1, word, blocks << offset)  # bits past 32 are masked off below
-    spill = offset + bits > 32  # codes that continue in the next word
-    words.index_add_(-1, word[spill] + 1, blocks[..., spill] >> (32 - offset[spill]))
-    words = (words & 0xFFFFFFFF).flatten(-2)[..., : (n * bits + 31) // 32]
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    blocks = _pad_last(codes_unsigned.to(torch.int32), 32).unflatten(-1, (-1, 32))  # (..., B, 32)
+    words = torch.zeros(*blocks.shape[:-1], bits, dtype=torch.int32)  # (..., B, bits)
+    for i in range(32):
+        word, offset = divmod(i * bits, 32)
+        words[..., word] |= blocks[..., i] << offset  # int32 wraps: only the bit pattern matters
+        if offset + bits > 32:  # the code's high bits continue in the next word
+            words[..., word + 1] |= blocks[..., i] >> (32 - offset)
+    return words.flatten(-2)[..., : (n * bits + 31) // 32].contiguous()
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of pack_codes: unsigned codes (..., n) as uint8."""
+    _check_pack_bits(bits)
+    if packed.shape[-1] * 32 < n * bits:
+        raise ValueError(f"packed tensor of {packed.shape[-1]} words holds fewer than {n} codes of {bits} bits")
+    words = _pad_last(packed.to(torch.int32), bits).unflatten(-1, (-1, bits))  # (..., B, bits)
+    codes = torch.empty(*words.shape[:-1], 32, dtype=torch.int32)
+    for i in range(32):
+        word, offset = divmod(i * bits, 32)
+        low = min(bits, 32 - offset)  # bits of the code held by this word
+        codes[..., i] = (words[..., word] >> offset) & ((1 << low) - 1)  # mask drops sign extension
+        if low < bits:
+            codes[..., i] |= (words[..., word + 1] & ((1 << (bits - low)) - 1)) << low
+    return codes.flatten(-2)[..., :n].to(torch.uint8)
+
+
+def _check_pack_bits(bits: int) -> None:
     if not 1 <= bits <= 8:
         raise ValueError(f"packing supports 1 to 8 bits, got {bits}")
-    words = _pad_last(packed.to(torch.int64) & 0xFFFFFFFF, bits).unflatten(-1, (-1, bits))
-    start = torch.arange(32, dtype=torch.int64) * bits
-    word, offset = start // 32, start % 32
-    nxt = (word + 1).clamp(max=bits - 1)  # only read where the code spills over
-    spill = (offset + bits > 32).to(torch.int64)
-    codes = (words[..., word] >> offset) | ((words[..., nxt] << (32 - offset)) * spill)
-    codes = (codes & (2**bits - 1)).flatten(-2)
-    if codes.shape[-1] < n:
-        raise ValueError(f"packed tensor holds {codes.shape[-1]} codes of {bits} bits, fewer than {n}")
-    return codes[..., :n].to(torch.uint8)
 
 
 def _pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
