@@ -35,7 +35,7 @@ def scheme_entry(name: str, module: QuantLinear) -> dict:
         raise ValueError(
             f"layer {name}: act-order with a permuted g_idx cannot be written as compressed-tensors "
             "(version 0.20 removed actorder 'group' and weight_g_idx); export with --format gptq, or "
-            "quantize with static act-order groups (no g_idx)"
+            "quantize with gptq actorder: static (groups fixed in column order, no g_idx)"
         )
     weights = {"num_bits": s.bits, "type": "int", "symmetric": s.symmetric, "strategy": s.strategy,
                "group_size": s.group_size, "dynamic": False, "actorder": None}
