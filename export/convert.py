@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .checkpoint import is_checkpoint, save
 from .config import DTYPES, FORMATS, ExportConfig
+from .manifest import MANIFEST, verify_manifest
 from .reader import load
 
 PROVENANCE = ("recipe.yaml",)  # carried over; figures (results.json) describe the source, not the copy
@@ -21,6 +22,9 @@ def convert(source: str | Path, output: str | Path, fmt: str, overwrite: bool = 
         raise ValueError(f"--output {output} is the source checkpoint; choose another folder")
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(FORMATS)}")
+    problems = verify_manifest(source) if (source / MANIFEST).is_file() else []
+    if problems:
+        raise ValueError(f"{source} does not match its {MANIFEST}: {'; '.join(problems[:3])}")
     cfg = ExportConfig(format=fmt, overwrite=overwrite, dtype=dtype or _source_dtype(source))
     model, tokenizer = load(source)
     extra = {name: (source / name).read_text(encoding="utf-8") for name in PROVENANCE if (source / name).is_file()}

@@ -81,3 +81,11 @@ def test_cli_export_converts_between_formats(tmp_path, tiny_tokenizer_dir, capsy
         assert torch.equal(again[name], tensor), name  # float16 kept: bit-exact both ways
     assert main(["export", str(source), "--format", "gptq", "--output", str(gptq)]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+def test_cli_export_refuses_a_source_that_fails_its_manifest(tmp_path, capsys):
+    source = checkpoint.save(quantized_tiny(), None, tmp_path / "ct", ExportConfig())
+    (source / "config.json").write_text((source / "config.json").read_text() + " ")
+    assert main(["export", str(source), "--format", "gptq", "--output", str(tmp_path / "gptq")]) == 2
+    assert "config.json: differs from manifest.json" in capsys.readouterr().err
+    assert not (tmp_path / "gptq").exists()
