@@ -64,6 +64,8 @@ def _write(model, tokenizer, folder: Path, cfg: ExportConfig, extra_files) -> No
     dtype = getattr(torch, cfg.dtype)
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in _float_tensors(model, quantized).items()}
     fmt = ct if cfg.format == "compressed-tensors" else gptq_format
+    if fmt is ct:
+        ct.check_consumers_can_load(model, quantized)
     for name, module in quantized.items():
         tensors.update(fmt.module_tensors(name, module, dtype))
     qconfig = fmt.quantization_config(quantized, _float_linears(model, quantized))

@@ -51,6 +51,20 @@ def quantization_config(modules: dict[str, nn.Module], ignore: Iterable[str]) ->
     }
 
 
+def check_consumers_can_load(model: nn.Module, names: Iterable[str]) -> None:
+    """compressed-tensors quantizes torch Linear modules only: a quantized GPT-2 Conv1D would be
+    skipped by transformers, which then loads it randomly initialised with only a warning."""
+    with torch.device("meta"):
+        skeleton = type(model)(model.config)  # the architecture's own module types, no memory
+    other = [n for n in names if not isinstance(skeleton.get_submodule(n), nn.Linear)]
+    if other:
+        kinds = sorted({type(skeleton.get_submodule(n)).__name__ for n in other})
+        raise ValueError(
+            f"layers {other[:3]}{' …' if len(other) > 3 else ''} are {', '.join(kinds)} in "
+            f"{type(model).__name__}, not torch Linear; compressed-tensors cannot describe them and "
+            "transformers would load them with random weights. Add them to the recipe's ignore list.")
+
+
 def module_tensors(prefix: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return codec_for(prefix, module).module_tensors(prefix, module, dtype)
 

@@ -153,3 +153,19 @@ def test_lowbit_reads_its_export_back_exactly(tmp_path, scheme):
             again = loaded.get_submodule(name)
             assert again.scheme == scheme and torch.equal(again.weight_codes, module.weight_codes)
     assert compare_logits(model, loaded, token_ids()) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3_text", "opt"])
+def test_other_architectures_load_in_transformers(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    model = quantized_tiny(W4_GROUP, arch)
+    out = checkpoint.save(model, None, tmp_path / "ckpt", ExportConfig(dtype="float32"))
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    agree, diff = compare_logits(model, hf, token_ids())
+    assert agree == 1.0 and diff < 1e-5
+
+
+def test_gpt2_conv1d_is_refused_rather_than_loaded_as_random_weights(tmp_path):
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.c_attn.*Conv1D.*ignore list"):
+        checkpoint.save(quantized_tiny(W4_GROUP, "gpt2"), None, tmp_path / "ckpt", ExportConfig())
