@@ -81,6 +81,8 @@ def _write(model, tokenizer, folder: Path, cfg: ExportConfig, extra_files) -> No
     config = model.config.to_dict()
     config["dtype"] = cfg.dtype
     config.pop("quantization_config", None)
+    if isinstance(model.get_output_embeddings(), QuantLinear):
+        config["tie_word_embeddings"] = False  # a quantized head no longer shares the float embedding
     if quantized:
         config["quantization_config"] = qconfig
     (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")

@@ -169,3 +169,33 @@ def test_other_architectures_load_in_transformers(tmp_path, arch):
 def test_gpt2_conv1d_is_refused_rather_than_loaded_as_random_weights(tmp_path):
     with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.c_attn.*Conv1D.*ignore list"):
         checkpoint.save(quantized_tiny(W4_GROUP, "gpt2"), None, tmp_path / "ckpt", ExportConfig())
+
+
+def test_quantized_head_of_a_tied_model_loads_untied(tmp_path):
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from lowbit.calibrate.arch import arch_for
+    from lowbit.quantize import rtn
+    from lowbit.quantize.step import StepContext
+
+    config = tiny_config("llama")
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    rtn.apply(StepContext(model, arch_for(model), (), lambda: None), W4_GROUP)  # lm_head too
+    out = checkpoint.save(model, None, tmp_path / "ckpt", ExportConfig(dtype="float32"))
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert compare_logits(model, hf, token_ids()) == (1.0, 0.0)
+
+
+def test_reader_accepts_g_idx_from_compressed_tensors_before_0_20():
+    """Older compressed-tensors wrote actorder 'group' with a weight_g_idx tensor; lowbit still reads it."""
+    module = act_order_tiny().get_submodule("model.layers.0.mlp.down_proj")
+    tensors = ct_packed.module_tensors("m", module, torch.float32)
+    tensors["m.weight_g_idx"] = module.weight_g_idx.clone()
+    group = {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                         "group_size": 32, "actorder": "group"}, "format": "pack-quantized"}
+    again = ct_packed.build_module("m", tensors, group)
+    assert tensors == {} and torch.equal(again.dequantized_weight(), module.dequantized_weight())
