@@ -54,6 +54,9 @@ def _format(qconfig: dict) -> str:
     method = qconfig.get("quant_method")
     if method is None:
         return "float safetensors"
+    if method == "gptq":
+        return (f"GPTQ, v1 zero points ({qconfig.get('bits')}-bit, group_size {qconfig.get('group_size')}, "
+                f"desc_act {str(qconfig.get('desc_act')).lower()})")
     detail = qconfig.get("format") or qconfig.get("checkpoint_format", "")
     return f"{method} ({detail})" if detail else method
 
