@@ -12,8 +12,6 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from lowbit.quantize.qlinear import QuantLinear
-
 from . import compressed_tensors as ct
 from . import gptq_format
 from .config import ExportConfig
@@ -60,10 +58,12 @@ def check_output_dir(out_dir: Path, overwrite: bool) -> None:
 
 
 def _write(model, tokenizer, folder: Path, cfg: ExportConfig, extra_files) -> None:
-    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    quantized = {n: m for n, m in model.named_modules() if ct.is_quantized(m)}
     dtype = getattr(torch, cfg.dtype)
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in _float_tensors(model, quantized).items()}
     fmt = ct if cfg.format == "compressed-tensors" else gptq_format
+    if fmt is gptq_format:
+        gptq_format.check_modules(quantized)
     if fmt is ct:
         ct.check_consumers_can_load(model, quantized)
     for name, module in quantized.items():
@@ -81,7 +81,7 @@ def _write(model, tokenizer, folder: Path, cfg: ExportConfig, extra_files) -> No
     config = model.config.to_dict()
     config["dtype"] = cfg.dtype
     config.pop("quantization_config", None)
-    if isinstance(model.get_output_embeddings(), QuantLinear):
+    if ct.is_quantized(model.get_output_embeddings()):
         config["tie_word_embeddings"] = False  # a quantized head no longer shares the float embedding
     if quantized:
         config["quantization_config"] = qconfig

@@ -13,11 +13,15 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from . import ct_packed
+from . import ct_fp8, ct_packed
 
 QUANT_METHOD = "compressed-tensors"
-CODECS = [ct_packed]
+CODECS = [ct_packed, ct_fp8]
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return any(codec.handles(module) for codec in CODECS)
 
 
 def codec_for(name: str, module: nn.Module):
@@ -70,8 +74,8 @@ def module_tensors(prefix: str, module: nn.Module, dtype: torch.dtype) -> dict[s
 
 
 def quantized_prefixes(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Module names that carry compressed tensors (weight_packed; later formats add theirs)."""
-    return sorted(k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed"))
+    """Module names that carry compressed tensors: every quantized weight has a weight_scale."""
+    return sorted(k[: -len(".weight_scale")] for k in tensors if k.endswith(".weight_scale"))
 
 
 def build_module(prefix: str, tensors: dict[str, torch.Tensor], qconfig: dict, where: str) -> nn.Module:

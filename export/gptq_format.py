@@ -23,6 +23,13 @@ SUPPORTED_BITS = (2, 3, 4, 8)
 ZERO_OFFSET = 1  # v1: the file stores zero - 1
 
 
+def check_modules(modules: dict) -> None:
+    other = [n for n, m in modules.items() if not isinstance(m, QuantLinear)]
+    if other:
+        raise ValueError(f"GPTQ format holds integer weights only; {other[0]} is {type(modules[other[0]]).__name__} "
+                         "(use --format compressed-tensors)")
+
+
 def quantization_config(modules: dict[str, QuantLinear], float_linears: list[str]) -> dict:
     """quantize_config.json (also config.json's quantization_config): one scheme for all modules."""
     schemes = {m.scheme for m in modules.values()}

@@ -8,8 +8,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from lowbit.quantize.qlinear import QuantLinear
-
 from . import compressed_tensors as ct
 from . import gptq_format
 
@@ -76,9 +74,9 @@ def _install_quantized(model, tensors, qconfig, folder) -> None:
 
 def _load_float(model, tensors, folder) -> None:
     result = model.load_state_dict(tensors, strict=False, assign=True)
-    if getattr(model.config, "tie_word_embeddings", False) and not isinstance(model.get_output_embeddings(), QuantLinear):
+    if getattr(model.config, "tie_word_embeddings", False) and not ct.is_quantized(model.get_output_embeddings()):
         model.tie_weights()
-    quantized = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    quantized = {n for n, m in model.named_modules() if ct.is_quantized(m)}
     missing = [k for k in result.missing_keys
                if k.rpartition(".")[0] not in quantized and not _tied(model, k)]
     if missing or result.unexpected_keys:

@@ -64,7 +64,7 @@ def rounded_like_export(model, dtype: torch.dtype = torch.bfloat16):
 
     twin = copy.deepcopy(model)
     with torch.no_grad():
-        for t in list(twin.parameters()) + list(twin.buffers()):
+        for t in twin.state_dict().values():  # what the file holds: not RoPE's inv_freq & co.
             if t.is_floating_point():
                 t.copy_(t.to(dtype).float())
     return twin
