@@ -1,54 +1,53 @@
 """The compressed-tensors checkpoint format: what vLLM and transformers load natively.
 
-Integer weights are written `pack-quantized`: signed codes shifted by 2^(bits-1) and packed
-into int32 along in_features (`weight_packed`), with `weight_scale`, `weight_zero_point`
-(asymmetric only, packed along out_features) and `weight_shape`.
+This file builds `quantization_config` and dispatches each quantized module to the codec of its
+scheme family. A codec is a module with handles(module), reads(group), scheme_entry(name,
+module), module_tensors(prefix, module, dtype) and build_module(prefix, tensors, group);
+add a scheme by adding its codec to CODECS.
 """
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 import torch
+from torch import nn
 
-from lowbit.quantize.primitives import IntScheme, pack_codes, unpack_codes
-from lowbit.quantize.qlinear import QuantLinear
+from . import ct_fp8, ct_packed
 
-FORMAT = "pack-quantized"
 QUANT_METHOD = "compressed-tensors"
+CODECS = [ct_packed, ct_fp8]
+SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
 
-def weight_args(scheme: IntScheme, act_order: bool) -> dict:
-    return {
-        "num_bits": scheme.bits,
-        "type": "int",
-        "symmetric": scheme.symmetric,
-        "strategy": scheme.strategy,
-        "group_size": scheme.group_size,
-        "block_structure": None,
-        "dynamic": False,
-        "actorder": "group" if act_order else None,
-        "observer": "minmax",
-        "observer_kwargs": {},
-    }
+def is_quantized(module: nn.Module) -> bool:
+    return any(codec.handles(module) for codec in CODECS)
 
 
-def quantization_config(modules: dict[str, QuantLinear], ignore: Iterable[str]) -> dict:
-    """One config group per distinct weight scheme, targeting its modules by name."""
+def codec_for(name: str, module: nn.Module):
+    for codec in CODECS:
+        if codec.handles(module):
+            return codec
+    raise ValueError(f"layer {name}: no compressed-tensors writer for {type(module).__name__}")
+
+
+def quantization_config(modules: dict[str, nn.Module], ignore: Iterable[str]) -> dict:
+    """One config group per distinct scheme, targeting its modules by name."""
     groups: dict[str, dict] = {}
-    by_args: dict[str, str] = {}
+    by_entry: dict[str, str] = {}
     for name, module in modules.items():
-        args = weight_args(module.scheme, module.weight_g_idx is not None)
-        key = repr(sorted(args.items()))
-        if key not in by_args:
-            by_args[key] = f"group_{len(by_args)}"
-            groups[by_args[key]] = {"targets": [], "weights": args, "input_activations": None,
-                                    "output_activations": None, "format": FORMAT}
-        groups[by_args[key]]["targets"].append(name)
+        entry = codec_for(name, module).scheme_entry(name, module)
+        key = repr(entry)
+        if key not in by_entry:
+            by_entry[key] = f"group_{len(by_entry)}"
+            groups[by_entry[key]] = {"targets": [], **entry}
+        groups[by_entry[key]]["targets"].append(name)
     if len(groups) == 1:  # the common case: one scheme for every Linear that is not ignored
         next(iter(groups.values()))["targets"] = ["Linear"]
+    formats = {g["format"] for g in groups.values()}
     return {
         "quant_method": QUANT_METHOD,
-        "format": FORMAT,
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "quantization_status": "compressed",
         "config_groups": groups,
         "ignore": sorted(ignore),
@@ -56,66 +55,56 @@ def quantization_config(modules: dict[str, QuantLinear], ignore: Iterable[str]) 
     }
 
 
-def module_tensors(prefix: str, module: QuantLinear, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    s = module.scheme
-    offset = 2 ** (s.bits - 1)
-    out = {
-        f"{prefix}.weight_packed": pack_codes(module.weight_codes.to(torch.int16) + offset, s.bits),
-        f"{prefix}.weight_scale": _scale_for_file(module.weight_scale, s).to(dtype),
-        f"{prefix}.weight_shape": torch.tensor([module.out_features, module.in_features]),
-    }
-    if module.weight_zero is not None:
-        zero = module.weight_zero.round().to(torch.int16) + offset  # (out, G)
-        out[f"{prefix}.weight_zero_point"] = pack_codes(zero.t().contiguous(), s.bits).t().contiguous()
-    if module.weight_g_idx is not None:
-        out[f"{prefix}.weight_g_idx"] = module.weight_g_idx.to(torch.int32)
-    if module.bias is not None:
-        out[f"{prefix}.bias"] = module.bias.to(dtype)
-    return out
+def check_consumers_can_load(model: nn.Module, names: Iterable[str]) -> None:
+    """compressed-tensors quantizes torch Linear modules only: a quantized GPT-2 Conv1D would be
+    skipped by transformers, which then loads it randomly initialised with only a warning."""
+    with torch.device("meta"):
+        skeleton = type(model)(model.config)  # the architecture's own module types, no memory
+    other = [n for n in names if not isinstance(skeleton.get_submodule(n), nn.Linear)]
+    if other:
+        kinds = sorted({type(skeleton.get_submodule(n)).__name__ for n in other})
+        raise ValueError(
+            f"layers {other[:3]}{' …' if len(other) > 3 else ''} are {', '.join(kinds)} in "
+            f"{type(model).__name__}, not torch Linear; compressed-tensors cannot describe them and "
+            "transformers would load them with random weights. Add them to the recipe's ignore list.")
 
 
-def _scale_for_file(scale: torch.Tensor, scheme: IntScheme) -> torch.Tensor:
-    return scale.reshape(1) if scheme.strategy == "tensor" else scale
+def module_tensors(prefix: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return codec_for(prefix, module).module_tensors(prefix, module, dtype)
 
 
-def scheme_from_args(args: dict, where: str) -> IntScheme:
-    if args.get("type") != "int":
-        raise ValueError(f"{where}: weights of type {args.get('type')!r} are not supported yet; supported: int")
-    return IntScheme(bits=args["num_bits"], symmetric=args["symmetric"], strategy=args["strategy"],
-                     group_size=args.get("group_size") if args["strategy"] == "group" else None)
+def quantized_prefixes(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Module names that carry compressed tensors: every quantized weight has a weight_scale."""
+    return sorted(k[: -len(".weight_scale")] for k in tensors if k.endswith(".weight_scale"))
 
 
-def build_module(prefix: str, tensors: dict[str, torch.Tensor], args: dict) -> QuantLinear:
-    scheme = scheme_from_args(args, prefix)
-    out_f, in_f = (int(v) for v in tensors[f"{prefix}.weight_shape"].tolist())
-    offset = 2 ** (scheme.bits - 1)
-    codes = unpack_codes(tensors[f"{prefix}.weight_packed"], scheme.bits, in_f).to(torch.int16) - offset
-    scale = tensors[f"{prefix}.weight_scale"].float()
-    scale = scale.reshape(1, 1) if scheme.strategy == "tensor" else scale
-    g_idx = tensors.get(f"{prefix}.weight_g_idx")
-    bias = tensors.get(f"{prefix}.bias")
-    module = QuantLinear(in_f, out_f, scheme, bias is not None, scale.shape[1], g_idx is not None)
-    module.weight_codes.copy_(codes.to(torch.int8))
-    module.weight_scale = scale
-    zp = tensors.get(f"{prefix}.weight_zero_point")
-    if zp is not None:
-        rows = scale.shape[0]
-        module.weight_zero = unpack_codes(zp.t().contiguous(), scheme.bits, rows).t().float() - offset
-    if g_idx is not None:
-        module.weight_g_idx = g_idx.to(torch.int32)
-    if bias is not None:
-        module.bias = bias.float()
-    return module
+def build_module(prefix: str, tensors: dict[str, torch.Tensor], qconfig: dict, where: str) -> nn.Module:
+    group = group_for(prefix, qconfig, where)
+    group = {**group, "format": group.get("format") or qconfig.get("format")}
+    for codec in CODECS:
+        if codec.reads(group):
+            return codec.build_module(prefix, tensors, group)
+    raise ValueError(f"{where}: layer {prefix}: no reader for config group {group.get('weights')} "
+                     f"in format {group['format']!r}; lowbit reads: {[c.FORMAT for c in CODECS]}")
 
 
-def args_for_module(name: str, qconfig: dict) -> dict:
-    """The weight args of the config group that targets `name` (by name or by class Linear)."""
-    fallback = None
-    for group in qconfig["config_groups"].values():
-        if name in group["targets"]:
-            return group["weights"]
-        if "Linear" in group["targets"]:
-            fallback = group["weights"]
-    if fallback is None:
-        raise ValueError(f"no config group in quantization_config targets {name}")
-    return fallback
+def group_for(name: str, qconfig: dict, where: str) -> dict:
+    """The config group whose targets match `name`: an exact name, `re:` regex, or class Linear."""
+    if any(_matches(name, t) for t in qconfig.get("ignore") or []):
+        raise ValueError(f"{where}: layer {name} has compressed tensors but is in quantization_config.ignore")
+    by_class = None
+    for group in (qconfig.get("config_groups") or {}).values():
+        targets = group.get("targets") or []
+        if any(t != "Linear" and _matches(name, t) for t in targets):
+            return group
+        if "Linear" in targets and by_class is None:
+            by_class = group
+    if by_class is None:
+        raise ValueError(f"{where}: no config group in quantization_config targets layer {name}")
+    return by_class
+
+
+def _matches(name: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None  # compressed-tensors uses re.match
+    return name == target

@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
+
+Format = Literal["compressed-tensors", "gptq"]
+FORMATS = get_args(Format)
+Dtype = Literal["bfloat16", "float16", "float32"]
+DTYPES = get_args(Dtype)
 
 
 @dataclass(frozen=True)
 class ExportConfig:
-    format: Literal["compressed-tensors"] = "compressed-tensors"  # what vLLM and transformers load
+    # compressed-tensors: what vLLM and transformers load; gptq: qweight/qzeros for the GPTQ ecosystem
+    format: Format = "compressed-tensors"
     overwrite: bool = False  # replace a non-empty output folder
     # dtype of the float tensors and scales in the file; the runtimes compute in it too
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Dtype = "bfloat16"

@@ -120,22 +120,46 @@ def fake_quantize(w, scale, zero, qmin: int, qmax: int) -> torch.Tensor:
 
 
 def pack_codes(codes_unsigned: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned codes (..., n) into int32 (..., n * bits / 32), lowest bits first."""
-    if 32 % bits:
-        raise ValueError(f"packing into int32 needs bits dividing 32 (2, 4, 8), got {bits}")
-    per = 32 // bits
-    if codes_unsigned.shape[-1] % per:
-        raise ValueError(f"last dimension {codes_unsigned.shape[-1]} is not a multiple of {per}")
-    c = codes_unsigned.to(torch.int64).reshape(*codes_unsigned.shape[:-1], -1, per)
-    shifts = torch.arange(per, dtype=torch.int64) * bits
-    packed = (c << shifts).sum(dim=-1)  # fits in 32 unsigned bits
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    """Pack unsigned codes (..., n) densely into int32 (..., ceil(n * bits / 32)).
+
+    Code i occupies bits [i * bits, (i + 1) * bits) of the little-endian bit stream, so a code
+    may straddle two words when bits does not divide 32 (3, 5, 6, 7); for 2, 4 and 8 bits this
+    is the usual `32 // bits` codes per word, lowest first. Every 32 codes fill `bits` words.
+    """
+    _check_pack_bits(bits)
+    n = codes_unsigned.shape[-1]
+    blocks = _pad_last(codes_unsigned.to(torch.int32), 32).unflatten(-1, (-1, 32))  # (..., B, 32)
+    words = torch.zeros(*blocks.shape[:-1], bits, dtype=torch.int32)  # (..., B, bits)
+    for i in range(32):
+        word, offset = divmod(i * bits, 32)
+        words[..., word] |= blocks[..., i] << offset  # int32 wraps: only the bit pattern matters
+        if offset + bits > 32:  # the code's high bits continue in the next word
+            words[..., word + 1] |= blocks[..., i] >> (32 - offset)
+    return words.flatten(-2)[..., : (n * bits + 31) // 32].contiguous()
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of pack_codes: unsigned codes (..., n) as uint8."""
-    per = 32 // bits
-    p = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(per, dtype=torch.int64) * bits
-    c = (p.unsqueeze(-1) >> shifts) & (2**bits - 1)
-    return c.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)
+    _check_pack_bits(bits)
+    if packed.shape[-1] * 32 < n * bits:
+        raise ValueError(f"packed tensor of {packed.shape[-1]} words holds fewer than {n} codes of {bits} bits")
+    words = _pad_last(packed.to(torch.int32), bits).unflatten(-1, (-1, bits))  # (..., B, bits)
+    codes = torch.empty(*words.shape[:-1], 32, dtype=torch.int32)
+    for i in range(32):
+        word, offset = divmod(i * bits, 32)
+        low = min(bits, 32 - offset)  # bits of the code held by this word
+        codes[..., i] = (words[..., word] >> offset) & ((1 << low) - 1)  # mask drops sign extension
+        if low < bits:
+            codes[..., i] |= (words[..., word + 1] & ((1 << (bits - low)) - 1)) << low
+    return codes.flatten(-2)[..., :n].to(torch.uint8)
+
+
+def _check_pack_bits(bits: int) -> None:
+    if not 1 <= bits <= 8:
+        raise ValueError(f"packing supports 1 to 8 bits, got {bits}")
+
+
+def _pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad the last dimension up to a multiple of `multiple`."""
+    pad = -t.shape[-1] % multiple
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t

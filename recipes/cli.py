@@ -7,6 +7,7 @@ from pathlib import Path
 
 from lowbit.calibrate.corpora import CORPORA
 from lowbit.calibrate.models import BUILTIN_MODELS
+from lowbit.export.config import DTYPES, FORMATS
 
 from .schema import load_recipe, shipped_recipes
 from .validate import RecipeError
@@ -33,6 +34,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                      help="override a recipe value, e.g. --set calibration.samples=64")
     run.set_defaults(handler=_cmd_run)
+    export = sub.add_parser("export", help="rewrite a checkpoint in another format")
+    export.add_argument("checkpoint", help="checkpoint folder (lowbit's, or compressed-tensors from other tools)")
+    export.add_argument("--format", required=True, choices=FORMATS)
+    export.add_argument("--output", required=True, help="folder to write")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    export.add_argument("--dtype", choices=DTYPES,
+                        help="float tensors and scales (default: the source's)")
+    export.set_defaults(handler=_cmd_export)
     models = sub.add_parser("models", help="list built-in models")
     models.set_defaults(handler=_cmd_models)
     recipes = sub.add_parser("recipes", help="list shipped recipes")
@@ -52,6 +61,14 @@ def _cmd_run(args) -> int:
     output = Path(args.output or f"runs/{recipe.name}-{Path(recipe.model).name}")
     results = run(recipe, output)
     _print_summary(results, output)
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from lowbit.export.convert import convert
+
+    out = convert(args.checkpoint, args.output, args.format, args.overwrite, args.dtype)
+    print(f"wrote {args.format} checkpoint {out}")
     return 0
 
 

@@ -18,6 +18,7 @@ from lowbit.evaluate.baseline import cached_baseline
 from lowbit.evaluate.memory import checkpoint_weight_bytes, model_weight_bytes
 from lowbit.evaluate.perplexity import perplexity
 from lowbit.export import checkpoint
+from lowbit.export.model_card import write_model_card
 from lowbit.quantize.step import StepContext
 
 from .schema import Recipe
@@ -89,6 +90,7 @@ def run(recipe: Recipe, output: str | Path) -> dict:
         "steps": steps,
     }
     (output / "results.json").write_text(json.dumps(results, indent=2))
+    write_model_card(output, results)  # README.md from the results; refreshes manifest.json
     return results
 
 

@@ -1,0 +1,38 @@
+"""`lowbit export`: rewrite a checkpoint (lowbit's or another tool's) in another format."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .checkpoint import is_checkpoint, save
+from .config import DTYPES, FORMATS, ExportConfig
+from .manifest import MANIFEST, verify_manifest
+from .reader import load
+
+PROVENANCE = ("recipe.yaml",)  # carried over; figures (results.json) describe the source, not the copy
+
+
+def convert(source: str | Path, output: str | Path, fmt: str, overwrite: bool = False,
+            dtype: str | None = None) -> Path:
+    source = Path(source)
+    if not is_checkpoint(source):
+        raise FileNotFoundError(f"{source}: not a checkpoint folder (needs config.json and model.safetensors "
+                                "or model.safetensors.index.json)")
+    if Path(output).resolve() == source.resolve():
+        raise ValueError(f"--output {output} is the source checkpoint; choose another folder")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(FORMATS)}")
+    problems = verify_manifest(source) if (source / MANIFEST).is_file() else []
+    if problems:
+        raise ValueError(f"{source} does not match its {MANIFEST}: {'; '.join(problems[:3])}")
+    cfg = ExportConfig(format=fmt, overwrite=overwrite, dtype=dtype or _source_dtype(source))
+    model, tokenizer = load(source)
+    extra = {name: (source / name).read_text(encoding="utf-8") for name in PROVENANCE if (source / name).is_file()}
+    return save(model, tokenizer, output, cfg, extra_files=extra)
+
+
+def _source_dtype(source: Path) -> str:
+    """Keep the source's float dtype when it is one an export can write, else the default."""
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "")
+    return dtype if dtype in DTYPES else ExportConfig.dtype

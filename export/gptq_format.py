@@ -1,0 +1,123 @@
+"""The GPTQ checkpoint format (AutoGPTQ / GPTQModel / optimum, `checkpoint_format: gptq`).
+
+Per quantized linear, with G groups along in_features:
+- `qweight` int32 (in * bits / 32, out): unsigned codes (signed + 2^(bits-1)) packed along in_features.
+- `qzeros` int32 (G, out * bits / 32): unsigned zero points minus one (the v1 convention), packed
+  along out_features. Symmetric grids store 2^(bits-1) - 1.
+- `scales` (G, out) in the export dtype; `g_idx` int32 (in,): the group of each input column.
+Dequantization: W[o, i] = scales[g, o] * (q[i, o] - (qzeros[g, o] + 1)) with g = g_idx[i].
+Per-channel schemes are written with group_size -1 (G = 1); per-tensor ones broadcast their one
+scale to every output channel, which is exact.
+"""
+from __future__ import annotations
+
+import torch
+
+from lowbit.quantize.primitives import IntScheme, pack_codes, unpack_codes
+from lowbit.quantize.qlinear import QuantLinear
+
+from .ct_packed import is_plain_grouping
+
+QUANT_METHOD = "gptq"
+SUPPORTED_BITS = (2, 3, 4, 8)
+ZERO_OFFSET = 1  # v1: the file stores zero - 1
+
+
+def check_modules(modules: dict) -> None:
+    other = [n for n, m in modules.items() if not isinstance(m, QuantLinear)]
+    if other:
+        raise ValueError(f"GPTQ format holds integer weights only; {other[0]} is {type(modules[other[0]]).__name__} "
+                         "(use --format compressed-tensors)")
+
+
+def quantization_config(modules: dict[str, QuantLinear], float_linears: list[str]) -> dict:
+    """quantize_config.json (also config.json's quantization_config): one scheme for all modules."""
+    schemes = {m.scheme for m in modules.values()}
+    if len(schemes) != 1:
+        raise ValueError(f"GPTQ format holds one bit-width and group size per model; found {sorted(map(str, schemes))}")
+    scheme = schemes.pop()
+    desc_act = any(m.weight_g_idx is not None and not is_plain_grouping(m.weight_g_idx, m.scheme)
+                   for m in modules.values())
+    skip = [n for n in float_linears if n != "lm_head"]
+    config = {
+        "quant_method": QUANT_METHOD, "checkpoint_format": "gptq", "bits": scheme.bits,
+        "group_size": scheme.group_size if scheme.strategy == "group" else -1,
+        "desc_act": desc_act, "sym": scheme.symmetric, "true_sequential": True,
+        "static_groups": False, "lm_head": "lm_head" in modules,
+    }
+    if skip:  # GPTQModel's per-module override: "-:" excludes a module from quantization
+        config["dynamic"] = {f"-:^{n.replace('.', '[.]')}$": {} for n in skip}
+    return config
+
+
+def module_tensors(prefix: str, module: QuantLinear, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    s = module.scheme
+    if s.bits not in SUPPORTED_BITS:
+        raise ValueError(f"layer {prefix}: GPTQ format supports {SUPPORTED_BITS} bits, not {s.bits}")
+    offset = 2 ** (s.bits - 1)
+    scale, zero = _per_channel_groups(module)  # (out, G) each
+    zero_u = (zero + offset) if zero is not None else torch.full_like(scale, offset)
+    stored = zero_u.round().to(torch.int64).t() - ZERO_OFFSET  # (G, out)
+    if (stored < 0).any():
+        raise ValueError(f"layer {prefix}: a group has zero point 0 on the unsigned grid, which the GPTQ "
+                         "v1 convention (stored zero = zero - 1) cannot represent; use a symmetric scheme "
+                         "or --format compressed-tensors")
+    codes_u = module.weight_codes.to(torch.int16) + offset  # (out, in)
+    out = {
+        f"{prefix}.qweight": pack_codes(codes_u, s.bits).t().contiguous(),
+        f"{prefix}.qzeros": pack_codes(stored, s.bits),
+        f"{prefix}.scales": scale.t().to(dtype).contiguous(),
+        f"{prefix}.g_idx": _g_idx(module).to(torch.int32),
+    }
+    if module.bias is not None:
+        out[f"{prefix}.bias"] = module.bias.to(dtype)
+    return out
+
+
+def _per_channel_groups(module: QuantLinear):
+    """Scale and zero as (out, G); a per-tensor scale is repeated for every output channel."""
+    scale, zero = module.weight_scale.float(), module.weight_zero
+    if module.scheme.strategy == "tensor":
+        scale = scale.expand(module.out_features, 1)
+        zero = None if zero is None else zero.float().expand(module.out_features, 1)
+    return scale, None if zero is None else zero.float()
+
+
+def _g_idx(module: QuantLinear) -> torch.Tensor:
+    if module.weight_g_idx is not None:
+        return module.weight_g_idx
+    s = module.scheme
+    size = s.group_size if s.strategy == "group" else module.in_features
+    return torch.arange(module.in_features) // size
+
+
+def build_module(prefix: str, tensors: dict[str, torch.Tensor], qconfig: dict) -> QuantLinear:
+    """A QuantLinear from one module's GPTQ tensors (consumed from `tensors`)."""
+    bits, group_size = qconfig["bits"], qconfig["group_size"]
+    if qconfig.get("checkpoint_format", "gptq") != "gptq":
+        raise ValueError(f"layer {prefix}: GPTQ checkpoint_format {qconfig['checkpoint_format']!r}; lowbit reads 'gptq' (v1)")
+    qweight, qzeros = tensors.pop(f"{prefix}.qweight"), tensors.pop(f"{prefix}.qzeros")
+    scales, g_idx = tensors.pop(f"{prefix}.scales").float(), tensors.pop(f"{prefix}.g_idx").long()
+    bias = tensors.pop(f"{prefix}.bias", None)
+    in_f, out_f = g_idx.numel(), scales.shape[1]
+    offset = 2 ** (bits - 1)
+    codes = unpack_codes(qweight.t().contiguous(), bits, in_f).to(torch.int16) - offset  # (out, in)
+    zero = (unpack_codes(qzeros, bits, out_f).t().float() + ZERO_OFFSET - offset)  # (out, G)
+    symmetric = bool(qconfig.get("sym", False)) and bool((zero == 0).all())
+    strategy = "group" if group_size > 0 else "channel"
+    scheme = IntScheme(bits, symmetric, strategy, group_size if group_size > 0 else None)
+    plain = is_plain_grouping(g_idx, scheme)
+    module = QuantLinear(in_f, out_f, scheme, bias is not None, scales.shape[0], not plain)
+    module.weight_codes.copy_(codes.to(torch.int8))
+    module.weight_scale = scales.t().contiguous()
+    if not symmetric:
+        module.weight_zero = zero
+    if not plain:
+        module.weight_g_idx = g_idx.to(torch.int32)
+    if bias is not None:
+        module.bias = bias.float()
+    return module
+
+
+def quantized_prefixes(tensors: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))

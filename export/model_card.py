@@ -1,0 +1,107 @@
+"""README.md model card beside a checkpoint, written once results.json exists."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .manifest import MANIFEST, write_manifest, write_text_atomic
+
+CARD = "README.md"
+
+
+def write_model_card(folder: str | Path, results: dict) -> Path:
+    """Write README.md from the run's results (and config.json), then refresh the manifest."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    text = render_card(results, config.get("quantization_config") or {}, folder.name)
+    write_text_atomic(folder / CARD, text)
+    if (folder / MANIFEST).is_file():
+        write_manifest(folder)  # now also covering results.json and README.md
+    return folder / CARD
+
+
+def render_card(results: dict, qconfig: dict, name: str) -> str:
+    model, recipe = results.get("model", {}), results.get("recipe", {})
+    lines = [f"# {name}", "",
+             f"`{model.get('id', '?')}` quantized with lowbit {results.get('lowbit_version', '')}: "
+             f"recipe **{recipe.get('name', '?')}** — {recipe.get('description', '')}".rstrip(" —"), "",
+             "| | |", "|---|---|",
+             f"| Base model | `{model.get('id', '?')}` ({model.get('model_type', '?')}, "
+             f"{model.get('params', 0) / 1e6:.1f}M parameters) |",
+             f"| Scheme | {_scheme(recipe)} |",
+             f"| Not quantized | {', '.join(recipe.get('ignore', [])) or 'nothing'} |",
+             f"| Format | {_format(qconfig)} |",
+             f"| Calibration data | {_calibration(results)} |",
+             *_quality_rows(results.get("quality", {})),
+             *_memory_rows(results.get("memory", {})),
+             "", "## Loading", "", *_loading(qconfig), "",
+             f"`results.json` holds every figure with its protocol; `recipe.yaml` the resolved recipe; "
+             f"`{MANIFEST}` every file's size and sha256.", ""]
+    return "\n".join(lines)
+
+
+def _scheme(recipe: dict) -> str:
+    steps = recipe.get("steps") or []
+    parts = []
+    for step in steps:
+        for name, options in step.items():
+            opts = ", ".join(f"{k}={v}" for k, v in (options or {}).items() if v is not None)
+            parts.append(f"{name} ({opts})" if opts else name)
+    return "; ".join(parts) or "none (float export)"
+
+
+def _format(qconfig: dict) -> str:
+    method = qconfig.get("quant_method")
+    if method is None:
+        return "float safetensors"
+    if method == "gptq":
+        return (f"GPTQ, v1 zero points ({qconfig.get('bits')}-bit, group_size {qconfig.get('group_size')}, "
+                f"desc_act {str(qconfig.get('desc_act')).lower()})")
+    detail = qconfig.get("format") or qconfig.get("checkpoint_format", "")
+    return f"{method} ({detail})" if detail else method
+
+
+def _calibration(results: dict) -> str:
+    cal = results.get("recipe", {}).get("calibration", {})
+    used = results.get("timing", {}).get("calibrate_s", 0) > 0
+    if not used:
+        return "none used (the steps need no data)"
+    return f"{cal.get('samples', '?')} samples × {cal.get('seq_len', '?')} tokens of `{cal.get('dataset', '?')}`"
+
+
+def _quality_rows(q: dict) -> list[str]:
+    if q.get("perplexity") is None:
+        return []
+    base = q.get("baseline_perplexity")
+    protocol = q.get("protocol", {})
+    where = f"`{q.get('dataset', '?')}`, {protocol.get('tokens_scored', '?')} tokens, context {protocol.get('context_len', '?')}"
+    rows = [f"| Perplexity | {q['perplexity']:.3f} ({where}) |"]
+    if base:
+        rows.append(f"| Baseline perplexity | {base:.3f} (unquantized; {100 * (q['perplexity'] / base - 1):+.2f}%) |")
+    return rows
+
+
+def _memory_rows(m: dict) -> list[str]:
+    if not m.get("weight_bytes"):
+        return []
+    row = f"| Weights | {m['weight_bytes'] / 2**20:.1f} MiB"
+    if m.get("baseline_weight_bytes"):
+        row += f" (16-bit baseline {m['baseline_weight_bytes'] / 2**20:.1f} MiB, " \
+               f"{m['weight_bytes'] / m['baseline_weight_bytes']:.2f}×)"
+    return [row + " |"]
+
+
+def _loading(qconfig: dict) -> list[str]:
+    if qconfig.get("quant_method") == "gptq":
+        return ["GPTQ format (`quantize_config.json`): load with GPTQModel, e.g.",
+                "`GPTQModel.load(path)`, or with transformers when gptqmodel and optimum are installed."]
+    load = "AutoModelForCausalLM.from_pretrained(path)"
+    note = []
+    if any(not (g.get("weights") or {}).get("symmetric", True) for g in (qconfig.get("config_groups") or {}).values()):
+        load = "AutoModelForCausalLM.from_pretrained(path, quantization_config=CompressedTensorsConfig(dequantize=True))"
+        note = ["Asymmetric weights: compressed-tensors 0.20.1's default (compressed) load path rejects packed",
+                "zero points, so dequantize on load as above."]
+    return ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig",
+            f"model = {load}  # needs the compressed-tensors package",
+            "tokenizer = AutoTokenizer.from_pretrained(path)", "```", *note,
+            "vLLM reads the compressed-tensors format too (`vllm serve path`); lowbit's tests cover transformers."]

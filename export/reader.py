@@ -1,0 +1,93 @@
+"""Read a checkpoint into lowbit's runtime modules: lowbit's own exports (compressed-tensors or
+GPTQ format) and compressed-tensors checkpoints written by other tools (single or sharded)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from . import compressed_tensors as ct
+from . import gptq_format
+
+INDEX = "model.safetensors.index.json"
+
+
+def load(folder: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
+    """(model, tokenizer) with QuantLinear modules for every quantized linear in the checkpoint.
+
+    Float tensors are cast to `dtype` for compute (float32 on CPU, where bf16 matmuls are slow).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.initialization import no_init_weights
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a checkpoint folder (no config.json)")
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    qconfig = config.to_dict().get("quantization_config")
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # we build the runtime modules ourselves
+    tensors = read_tensors(folder)
+    with no_init_weights():  # every tensor is overwritten from the file; skip random init
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
+    _install_quantized(model, tensors, qconfig, folder)
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    _load_float(model, tensors, folder)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    return model, tokenizer
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of every shard its index lists."""
+    index = folder / INDEX
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else ["model.safetensors"]
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: weight file missing" + (f" (listed in {index})" if index.is_file() else ""))
+        try:
+            tensors.update(load_file(str(path)))
+        except Exception as err:
+            raise ValueError(f"{path}: unreadable or truncated safetensors file ({err})") from err
+    return tensors
+
+
+def _install_quantized(model, tensors, qconfig, folder) -> None:
+    method = (qconfig or {}).get("quant_method")
+    where = f"{folder}/config.json"
+    if method == gptq_format.QUANT_METHOD:
+        for prefix in gptq_format.quantized_prefixes(tensors):
+            model.set_submodule(prefix, gptq_format.build_module(prefix, tensors, qconfig))
+        return
+    prefixes = ct.quantized_prefixes(tensors)
+    if prefixes and method != ct.QUANT_METHOD:
+        raise ValueError(f"{where}: quantized tensors ({prefixes[0]}, …) but quantization_config.quant_method "
+                         f"is {method!r}; lowbit reads 'compressed-tensors' and 'gptq'")
+    for prefix in prefixes:
+        model.set_submodule(prefix, ct.build_module(prefix, tensors, qconfig, where))
+
+
+def _load_float(model, tensors, folder) -> None:
+    result = model.load_state_dict(tensors, strict=False, assign=True)
+    if getattr(model.config, "tie_word_embeddings", False) and not ct.is_quantized(model.get_output_embeddings()):
+        model.tie_weights()
+    quantized = {n for n, m in model.named_modules() if ct.is_quantized(m)}
+    missing = [k for k in result.missing_keys
+               if k.rpartition(".")[0] not in quantized and not _tied(model, k)]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{folder}: tensors do not match the model in config.json; "
+            f"missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
+
+
+def _tied(model, key: str) -> bool:
+    """A key absent from the file because it is tied to one that was loaded (lm_head.weight)."""
+    if key != "lm_head.weight" or not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
