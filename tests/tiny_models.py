@@ -1,0 +1,35 @@
+"""Tiny random models of several architectures (hidden 128, 2 layers) for structure tests."""
+from __future__ import annotations
+
+import torch
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+
+
+def tiny_config(model_type: str):
+    from transformers import (Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig, OPTConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config, Gemma2Config)
+
+    if model_type == "opt":
+        return OPTConfig(hidden_size=128, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4,
+                         vocab_size=512, max_position_embeddings=256, word_embed_proj_dim=128)
+    if model_type == "gpt2":
+        return GPT2Config(n_embd=128, n_inner=256, n_layer=2, n_head=4, vocab_size=512, n_positions=256,
+                          bos_token_id=0, eos_token_id=0)
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "phi3": Phi3Config, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig}[model_type]
+    extra = {"head_dim": 32} if model_type in ("qwen3", "gemma2", "gemma3_text") else {}
+    ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # inside the tiny vocabulary
+    return cls(**TINY, **extra, **ids)
+
+
+def make_tiny_model(model_type: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32)
+    return model.eval()
+
+
+ARCH_TYPES = ["llama", "qwen2", "gemma3_text", "opt", "gpt2", "phi3", "mistral", "qwen3"]
