@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from lowbit.quantize import rtn
+from lowbit.quantize import input_quant, rtn
 
 
 class StepSpec(NamedTuple):
@@ -18,4 +18,6 @@ class StepSpec(NamedTuple):
 
 STEPS: dict[str, StepSpec] = {
     "rtn": StepSpec(rtn.RTNConfig, rtn.apply, "round-to-nearest weight quantization"),
+    "quantize_inputs": StepSpec(input_quant.InputQuantConfig, input_quant.apply,
+                                "INT8 input quantization of the quantized linears (W8A8 after an int8 weight step)"),
 }
