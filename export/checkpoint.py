@@ -140,7 +140,8 @@ def _install_quantized(model, tensors, qconfig, folder) -> None:
     if prefixes and not qconfig:
         raise ValueError(f"{folder}/config.json: quantized tensors but no quantization_config")
     for prefix in prefixes:
-        module = ct.build_module(prefix, tensors, ct.args_for_module(prefix, qconfig))
+        module = ct.build_module(prefix, tensors, ct.args_for_module(prefix, qconfig),
+                                 ct.args_for_module(prefix, qconfig, "input_activations"))
         model.set_submodule(prefix, module)
         for key in [k for k in tensors if k.startswith(prefix + ".")]:
             del tensors[key]

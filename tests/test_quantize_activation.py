@@ -72,3 +72,26 @@ def test_static_step_calibrates_documented_buffer():
 def test_config_rejects_other_bit_widths():
     with pytest.raises(ValueError, match="8 bits"):
         input_quant.InputQuantConfig(bits=4)
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_input_quantization_survives_checkpoint_roundtrip(dynamic, tmp_path, tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from lowbit.export import checkpoint
+    from lowbit.export.config import ExportConfig
+
+    model = make_tiny_model("llama")
+    batches = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: batches)
+    rtn.apply(ctx, IntScheme(8, strategy="channel"))
+    input_quant.apply(ctx, input_quant.InputQuantConfig(dynamic=dynamic))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    checkpoint.save(model, tokenizer, tmp_path / "ckpt", ExportConfig(dtype="float32"))
+    reloaded, _ = checkpoint.load(tmp_path / "ckpt")
+    q = reloaded.get_submodule("model.layers.1.mlp.down_proj")
+    assert q.input_quant == InputQuant(dynamic=dynamic)
+    if not dynamic:
+        torch.testing.assert_close(q.input_scale, model.get_submodule("model.layers.1.mlp.down_proj").input_scale)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(batches).logits, model(batches).logits, rtol=1e-4, atol=1e-4)
