@@ -18,7 +18,8 @@ from lowbit.calibrate.walker import record_linear_inputs, walk
 
 from .fold import fold_scale, weight_out_in
 from .primitives import IntScheme, check_group_size, fake_quantize, grouped, scale_zero_from_range
-from .smoothing import InputCollector, PairError, pair_index, pair_weights, to_prev, token_stride, weight_quantizer
+from .smoothing import (InputCollector, PairError, first_micro_batches, pair_index, pair_weights, to_prev,
+                        token_stride, weight_quantizer)
 from .step import StepContext
 from .targets import is_ignored
 
@@ -35,8 +36,10 @@ class AWQConfig:
     max_shrink: float = 0.5
     # clipping query/key weights distorts attention scores more than it helps (AWQ's finding)
     clip_skip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
-    max_tokens: int = 2048  # tokens per pair for the scale search
-    clip_tokens: int = 512  # tokens per linear for the clipping search
+    # tokens for the scale search (and the mean |x| statistic) and for the clipping search,
+    # taken from the leading calibration samples: recording them costs a forward pass each
+    max_tokens: int = 2048
+    clip_tokens: int = 512
 
     def __post_init__(self):
         self.scheme  # validates bits / group_size
@@ -97,6 +100,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: IntScheme, cfg: AWQCon
 
 def scale_layer(layer, arch, prefix, inputs, device, cfg: AWQConfig, ignore) -> dict:
     pairs = [p for p in arch.smooth if not any(is_ignored(f"{prefix}.{n}", ignore) for n in p.linears)]
+    inputs = first_micro_batches(inputs, cfg.max_tokens)  # mean |x| and the search use these tokens
     stride = token_stride(inputs.hidden, cfg.max_tokens)
     collectors = {p.linears[0]: InputCollector(stride) for p in pairs}
     record_linear_inputs(layer, list(collectors), inputs, device, lambda n, x: collectors[n].update(x))
@@ -114,6 +118,7 @@ def scale_layer(layer, arch, prefix, inputs, device, cfg: AWQConfig, ignore) -> 
 
 def clip_layer(layer, arch, prefix, inputs, device, cfg: AWQConfig, ignore) -> list[str]:
     names = [n for n in arch.linears if n not in cfg.clip_skip and not is_ignored(f"{prefix}.{n}", ignore)]
+    inputs = first_micro_batches(inputs, cfg.clip_tokens)
     collectors = {n: InputCollector(token_stride(inputs.hidden, cfg.clip_tokens)) for n in names}
     record_linear_inputs(layer, names, inputs, device, lambda n, x: collectors[n].update(x))
     for name in names:

@@ -14,6 +14,7 @@ from torch import nn
 
 from lowbit.calibrate.arch import SmoothPair
 from lowbit.calibrate.observers import ChannelAbsMax
+from lowbit.calibrate.walker import LayerInputs
 
 from .fold import weight_out_in, follower_index, prev_channels, reduce_to_prev
 from .primitives import IntScheme, compute_scale_zero, dequantize_codes, quantize_codes
@@ -27,7 +28,7 @@ class PairInput:
 
     absmax: torch.Tensor  # (in,) max |x| per channel: SmoothQuant's statistic
     mean_abs: torch.Tensor  # (in,) mean |x| per channel: AWQ's statistic
-    sample: torch.Tensor  # (<= max_tokens, in) evenly strided tokens for the searches
+    sample: torch.Tensor  # (about max_tokens, in) evenly strided tokens for the searches
 
 
 class InputCollector:
@@ -53,6 +54,20 @@ def token_stride(hidden: list[torch.Tensor], max_tokens: int) -> int:
     """Keep every k-th token so that about max_tokens remain for the searches."""
     total = sum(h.shape[0] * h.shape[1] for h in hidden)
     return max(1, -(-total // max_tokens))
+
+
+def first_micro_batches(inputs: LayerInputs, max_tokens: int) -> LayerInputs:
+    """The leading micro-batches holding at least max_tokens tokens (all of them if fewer).
+
+    Recording a layer's inputs costs a forward pass; the searches only need max_tokens tokens,
+    so they record on a prefix of the calibration set instead of all of it.
+    """
+    count, tokens = 0, 0
+    while count < len(inputs.hidden) and tokens < max_tokens:
+        tokens += inputs.hidden[count].shape[0] * inputs.hidden[count].shape[1]
+        count += 1
+    masks = inputs.token_mask[:count] if inputs.token_mask else []
+    return LayerInputs(inputs.hidden[:count], inputs.kwargs[:count], masks)
 
 
 def pair_weights(layer: nn.Module, pair: SmoothPair) -> list[torch.Tensor]:
@@ -90,18 +105,15 @@ class PairError:
 
     def __init__(self, x: torch.Tensor, weights: list[torch.Tensor], quant_weight: Quantizer,
                  quant_input: Optional[Quantizer] = None):
-        self.x, self.weights = x, weights
+        # the linears share the input and are quantized row by row: stack them into one matmul
+        self.x, self.w = x, torch.cat(weights)
         self.quant_weight, self.quant_input = quant_weight, quant_input
-        self.reference = [x @ w.t() for w in weights]
+        self.reference = x @ self.w.t()
 
     def __call__(self, col_scale: torch.Tensor) -> float:
         """Mean squared output error with input columns scaled by col_scale (in,)."""
         xs = self.x / col_scale
         if self.quant_input is not None:
             xs = self.quant_input(xs)
-        err, n = 0.0, 0
-        for w, ref in zip(self.weights, self.reference):
-            out = xs @ self.quant_weight(w * col_scale).t()
-            err += (out - ref).pow(2).sum().item()
-            n += ref.numel()
-        return err / n
+        out = xs @ self.quant_weight(self.w * col_scale).t()
+        return (out - self.reference).pow(2).mean().item()
