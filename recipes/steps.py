@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from lowbit.quantize import awq, input_quant, rtn, smoothquant
+from lowbit.quantize import awq, gptq, input_quant, rtn, smoothquant
 
 
 class StepSpec(NamedTuple):
@@ -17,6 +17,7 @@ class StepSpec(NamedTuple):
 
 
 STEPS: dict[str, StepSpec] = {
+    "gptq": StepSpec(gptq.GPTQConfig, gptq.apply, "GPTQ: error-compensating weight quantization, layer by layer"),
     "rtn": StepSpec(rtn.RTNConfig, rtn.apply, "round-to-nearest weight quantization"),
     "smoothquant": StepSpec(smoothquant.SmoothQuantConfig, smoothquant.apply,
                             "migrate activation outliers into the weights (folds scales; quantizes nothing)"),

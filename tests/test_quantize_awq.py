@@ -93,3 +93,17 @@ def test_awq_scaling_without_quantization_keeps_function():
               awq.AWQConfig(group_size=32, grid=3, clip=False))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-4)
+
+
+def test_awq_composes_with_gptq():
+    from lowbit.quantize import gptq
+    from lowbit.quantize.qlinear import QuantLinear
+
+    ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(7))
+    model = _outlier_llama()
+    ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: ids)
+    awq.apply(ctx, awq.AWQConfig(group_size=32, grid=3, clip_grid=2))
+    gptq.apply(ctx, gptq.GPTQConfig(bits=4, strategy="group", group_size=32))
+    assert isinstance(model.get_submodule("model.layers.1.mlp.down_proj"), QuantLinear)
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
