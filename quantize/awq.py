@@ -123,7 +123,7 @@ def clip_layer(layer, arch, prefix, inputs, device, cfg: AWQConfig, ignore) -> l
     record_linear_inputs(layer, names, inputs, device, lambda n, x: collectors[n].update(x))
     for name in names:
         w = weight_out_in(layer.get_submodule(name))  # a view: copying into it updates the module
-        w.copy_(search_clip(w, collectors[name].result().sample, cfg.scheme, cfg))
+        w.copy_(search_clip(w.cpu(), collectors[name].result().sample, cfg.scheme, cfg))  # on CPU
     return names
 
 

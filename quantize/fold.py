@@ -85,20 +85,20 @@ def weight_out_in(module: nn.Module) -> torch.Tensor:
 
 def _scale_input_columns(linear: nn.Module, s: torch.Tensor) -> None:
     w = weight_out_in(linear)  # a view: scaling it scales the module's weight
-    w.mul_(s.to(w.dtype).unsqueeze(0))
+    w.mul_(s.to(w.device, w.dtype).unsqueeze(0))
 
 
 def _scale_output_rows(linear: nn.Module, s: torch.Tensor) -> None:
     w = weight_out_in(linear)
-    w.mul_(s.to(w.dtype).unsqueeze(1))
+    w.mul_(s.to(w.device, w.dtype).unsqueeze(1))
     if linear.bias is not None:
-        linear.bias.data.mul_(s.to(linear.bias.dtype))
+        linear.bias.data.mul_(s.to(linear.bias.device, linear.bias.dtype))
 
 
 def _scale_norm(norm: nn.Module, s: torch.Tensor, offset: float) -> None:
     w = norm.weight.data
     # effective multiplier is (offset + w): scale it, then store it back without the offset
-    w.copy_(((w.double() + offset) * s.double() - offset).to(w.dtype))
+    w.copy_(((w.double() + offset) * s.to(w.device).double() - offset).to(w.dtype))
     bias = getattr(norm, "bias", None)
     if bias is not None:
-        bias.data.mul_(s.to(bias.dtype))
+        bias.data.mul_(s.to(bias.device, bias.dtype))

@@ -71,8 +71,8 @@ def first_micro_batches(inputs: LayerInputs, max_tokens: int) -> LayerInputs:
 
 
 def pair_weights(layer: nn.Module, pair: SmoothPair) -> list[torch.Tensor]:
-    """Float (out, in) weights of the pair's linears (copies)."""
-    return [weight_out_in(layer.get_submodule(n)).float().clone() for n in pair.linears]
+    """Float (out, in) weights of the pair's linears (CPU copies: the searches run on CPU)."""
+    return [weight_out_in(layer.get_submodule(n)).float().cpu().clone() for n in pair.linears]
 
 
 def pair_index(layer: nn.Module, pair: SmoothPair) -> tuple[int, torch.Tensor]:
