@@ -13,10 +13,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from . import ct_fp8, ct_packed
+from . import ct_fp8, ct_int8, ct_packed
 
 QUANT_METHOD = "compressed-tensors"
-CODECS = [ct_packed, ct_fp8]
+CODECS = [ct_int8, ct_packed, ct_fp8]  # first match wins: W8A8 before weight-only
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
 

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .activation import InputQuant, quantized_input_linear
 from .primitives import IntScheme
 from .weight import QuantizedWeight
 
@@ -13,15 +14,19 @@ class QuantLinear(nn.Module):
     """Holds integer codes and scales; the reference path dequantizes and runs a float matmul."""
 
     def __init__(self, in_features: int, out_features: int, scheme: IntScheme, bias: bool,
-                 groups: int, act_order: bool = False):
+                 groups: int, act_order: bool = False, input_quant: InputQuant | None = None):
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self.input_quant = input_quant  # None: inputs stay float (weight-only quantization)
         rows = 1 if scheme.strategy == "tensor" else out_features
         self.register_buffer("weight_codes", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("weight_scale", torch.ones(rows, groups))
         self.register_buffer("weight_zero", None if scheme.symmetric else torch.zeros(rows, groups))
         self.register_buffer("weight_g_idx", torch.zeros(in_features, dtype=torch.int32) if act_order else None)
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        # static input quantization: the calibrated per-tensor scale (1,) float32, absmax / 127
+        static = input_quant is not None and not input_quant.dynamic
+        self.register_buffer("input_scale", torch.ones(1) if static else None)
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None) -> "QuantLinear":
@@ -45,6 +50,8 @@ class QuantLinear(nn.Module):
         return self.quantized_weight().dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_quant is not None:
+            return quantized_input_linear(self, x)
         w = self.dequantized_weight().to(x.dtype)
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, w, b)
@@ -52,8 +59,11 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         s = self.scheme
         group = f", group_size={s.group_size}" if s.group_size else ""
+        act = ""
+        if self.input_quant is not None:
+            act = f", input int{self.input_quant.bits} {'per-token' if self.input_quant.dynamic else 'static'}"
         return (f"in={self.in_features}, out={self.out_features}, int{s.bits}, "
-                f"{'sym' if s.symmetric else 'asym'}, {s.strategy}{group}")
+                f"{'sym' if s.symmetric else 'asym'}, {s.strategy}{group}{act}")
 
 
 def linear_weight(module: nn.Module) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from lowbit.quantize import rtn
+from lowbit.quantize import awq, gptq, input_quant, rtn, smoothquant
 
 
 class StepSpec(NamedTuple):
@@ -17,5 +17,12 @@ class StepSpec(NamedTuple):
 
 
 STEPS: dict[str, StepSpec] = {
+    "gptq": StepSpec(gptq.GPTQConfig, gptq.apply, "GPTQ: error-compensating weight quantization, layer by layer"),
     "rtn": StepSpec(rtn.RTNConfig, rtn.apply, "round-to-nearest weight quantization"),
+    "smoothquant": StepSpec(smoothquant.SmoothQuantConfig, smoothquant.apply,
+                            "migrate activation outliers into the weights (folds scales; quantizes nothing)"),
+    "awq": StepSpec(awq.AWQConfig, awq.apply,
+                    "activation-aware weight scaling and clipping (folds scales; a later step quantizes)"),
+    "quantize_inputs": StepSpec(input_quant.InputQuantConfig, input_quant.apply,
+                                "INT8 input quantization of the quantized linears (W8A8 after an int8 weight step)"),
 }

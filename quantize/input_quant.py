@@ -1,0 +1,49 @@
+"""The `quantize_inputs` step: INT8 input quantization of every already-quantized linear.
+
+Runs after a weight step (rtn, gptq): W8A8 is `rtn: {bits: 8}` then `quantize_inputs`.
+Dynamic per-token scales need no data; a static per-tensor scale is calibrated here from the
+absmax of each linear's input over the calibration batches (stored in QuantLinear.input_scale).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowbit.calibrate.observers import linear_input_absmax
+
+from .activation import InputQuant, static_scale_from_absmax
+from .qlinear import QuantLinear
+from .step import StepContext
+from .targets import is_ignored
+
+
+@dataclass(frozen=True)
+class InputQuantConfig:
+    bits: int = 8  # INT8 only
+    dynamic: bool = True  # per-token scales at run time; false: one calibrated scale per tensor
+
+    def __post_init__(self):
+        InputQuant(self.bits, self.dynamic)  # raises on unsupported bit widths
+
+
+def enable_input_quant(module: QuantLinear, iq: InputQuant, absmax=None) -> None:
+    """Switch a QuantLinear to quantized inputs; static quantization needs the input absmax."""
+    module.input_quant = iq
+    if iq.dynamic:
+        module.input_scale = None
+    else:
+        if absmax is None:
+            raise ValueError("static input quantization needs the calibrated input absmax")
+        module.input_scale = static_scale_from_absmax(absmax.amax(), iq.qmax)
+
+
+def apply(ctx: StepContext, cfg: InputQuantConfig) -> dict:
+    iq = InputQuant(cfg.bits, cfg.dynamic)
+    modules = {n: m for n, m in ctx.model.named_modules()
+               if isinstance(m, QuantLinear) and not is_ignored(n, ctx.ignore)}
+    if not modules:
+        raise ValueError("quantize_inputs: no quantized linears; put a weight step (rtn, gptq) before it")
+    absmax = {} if cfg.dynamic else linear_input_absmax(ctx.model, list(modules), ctx.batches)
+    for name, module in modules.items():
+        enable_input_quant(module, iq, absmax.get(name))
+    return {"inputs_quantized": list(modules), "input_scheme": "per-token dynamic" if cfg.dynamic
+            else "per-tensor static"}

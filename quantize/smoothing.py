@@ -1,0 +1,119 @@
+"""Shared by AWQ and SmoothQuant: per-pair input statistics and the output error of a scaling.
+
+A smoothing pair's linears all read the same input X (tokens, in). Scaling by s (per input
+column) turns each linear into (X / s) @ (W * s)^T; the error of a candidate s is how far the
+quantized version of that product lands from the float X @ W^T.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from lowbit.calibrate.arch import SmoothPair
+from lowbit.calibrate.observers import ChannelAbsMax
+from lowbit.calibrate.walker import LayerInputs
+
+from .fold import weight_out_in, follower_index, prev_channels, reduce_to_prev
+from .primitives import IntScheme, compute_scale_zero, dequantize_codes, quantize_codes
+
+Quantizer = Callable[[torch.Tensor], torch.Tensor]  # float tensor -> fake-quantized float tensor
+
+
+@dataclass
+class PairInput:
+    """Statistics of one pair's input X (tokens, in) over every calibration token."""
+
+    absmax: torch.Tensor  # (in,) max |x| per channel: SmoothQuant's statistic
+    mean_abs: torch.Tensor  # (in,) mean |x| per channel: AWQ's statistic
+    sample: torch.Tensor  # (about max_tokens, in) evenly strided tokens for the searches
+
+
+class InputCollector:
+    """Accumulates PairInput statistics from the walker's record_linear_inputs callback."""
+
+    def __init__(self, stride: int):
+        self.stride, self.absmax = stride, ChannelAbsMax()
+        self.abs_sum, self.count, self.rows = None, 0, []
+
+    def update(self, x2d: torch.Tensor) -> None:
+        x2d = x2d.detach().float().cpu()
+        self.absmax.update(x2d)
+        s = x2d.abs().sum(dim=0)
+        self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
+        self.count += x2d.shape[0]
+        self.rows.append(x2d[:: self.stride].clone())
+
+    def result(self) -> PairInput:
+        return PairInput(self.absmax.value, self.abs_sum / max(self.count, 1), torch.cat(self.rows))
+
+
+def token_stride(hidden: list[torch.Tensor], max_tokens: int) -> int:
+    """Keep every k-th token so that about max_tokens remain for the searches."""
+    total = sum(h.shape[0] * h.shape[1] for h in hidden)
+    return max(1, -(-total // max_tokens))
+
+
+def first_micro_batches(inputs: LayerInputs, max_tokens: int) -> LayerInputs:
+    """The leading micro-batches holding at least max_tokens tokens (all of them if fewer).
+
+    Recording a layer's inputs costs a forward pass; the searches only need max_tokens tokens,
+    so they record on a prefix of the calibration set instead of all of it.
+    """
+    count, tokens = 0, 0
+    while count < len(inputs.hidden) and tokens < max_tokens:
+        tokens += inputs.hidden[count].shape[0] * inputs.hidden[count].shape[1]
+        count += 1
+    masks = inputs.token_mask[:count] if inputs.token_mask else []
+    return LayerInputs(inputs.hidden[:count], inputs.kwargs[:count], masks)
+
+
+def pair_weights(layer: nn.Module, pair: SmoothPair) -> list[torch.Tensor]:
+    """Float (out, in) weights of the pair's linears (CPU copies: the searches run on CPU)."""
+    return [weight_out_in(layer.get_submodule(n)).float().cpu().clone() for n in pair.linears]
+
+
+def pair_index(layer: nn.Module, pair: SmoothPair) -> tuple[int, torch.Tensor]:
+    """(channels of prev, index from the linears' input columns to prev channels)."""
+    channels = prev_channels(layer.get_submodule(pair.prev))
+    return channels, follower_index(layer, pair.linears[0], channels)
+
+
+def to_prev(stat: torch.Tensor, index: torch.Tensor, channels: int) -> torch.Tensor:
+    return stat if len(stat) == channels and torch.equal(index, torch.arange(channels)) \
+        else reduce_to_prev(stat, index, channels)
+
+
+def weight_quantizer(scheme: IntScheme) -> Quantizer:
+    def quantize(w: torch.Tensor) -> torch.Tensor:
+        scale, zero = compute_scale_zero(w, scheme)
+        return dequantize_codes(quantize_codes(w, scale, zero, scheme), scale, zero, scheme)
+    return quantize
+
+
+def per_token_int8(x: torch.Tensor) -> torch.Tensor:
+    """Fake-quantize activations the way QuantLinear's dynamic per-token path does."""
+    s = x.abs().amax(dim=-1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(x / s).clamp(-128, 127) * s
+
+
+class PairError:
+    """Output error of candidate scalings of one pair; the float outputs are computed once."""
+
+    def __init__(self, x: torch.Tensor, weights: list[torch.Tensor], quant_weight: Quantizer,
+                 quant_input: Optional[Quantizer] = None):
+        # the linears share the input and are quantized row by row: stack them into one matmul
+        self.x, self.w = x, torch.cat(weights)
+        self.quant_weight, self.quant_input = quant_weight, quant_input
+        self.reference = x @ self.w.t()
+
+    def __call__(self, col_scale: torch.Tensor) -> float:
+        """Mean squared output error with input columns scaled by col_scale (in,)."""
+        xs = self.x / col_scale
+        if self.quant_input is not None:
+            xs = self.quant_input(xs)
+        out = xs @ self.quant_weight(self.w * col_scale).t()
+        return (out - self.reference).pow(2).mean().item()

@@ -1,0 +1,84 @@
+"""SmoothQuant: migrate activation outliers into the weights before W8A8 quantization.
+
+Per smoothing pair, s_j = max|X_j|^alpha / max|W_:,j|^(1 - alpha) (Xiao et al., 2023); X / s is
+flatter per token and W * s takes up the difference, folded exactly by fold.py. alpha is fixed,
+or searched per pair over a small grid minimising the pair's W8A8 output error.
+Only smooths: a later weight step (rtn, gptq) and `quantize_inputs` quantize.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.calibrate.walker import record_linear_inputs, walk
+
+from .fold import fold_scale
+from .primitives import IntScheme
+from .smoothing import (InputCollector, PairError, pair_index, pair_weights, per_token_int8,
+                        to_prev, token_stride, weight_quantizer)
+from .step import StepContext
+
+
+@dataclass(frozen=True)
+class SmoothQuantConfig:
+    alpha: float = 0.5  # migration strength: 0 leaves activations as they are, 1 flattens them fully
+    # when non-empty, each pair picks the alpha from this grid with the smallest W8A8 output error
+    alpha_grid: tuple[float, ...] = ()
+    weight_bits: int = 8  # the grid the search assumes (per-channel symmetric weights)
+    max_tokens: int = 2048  # tokens per pair kept for the alpha search
+
+    def __post_init__(self):
+        for a in (self.alpha, *self.alpha_grid):
+            if not 0.0 <= a <= 1.0:
+                raise ValueError(f"alpha values must lie in [0, 1], got {a}")
+
+
+def smooth_scale(act_absmax: torch.Tensor, weight_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per-channel smoothing scale s = act^alpha / weight^(1 - alpha), kept positive."""
+    a = act_absmax.float().clamp(min=1e-5)
+    w = weight_absmax.float().clamp(min=1e-5)
+    return (a.pow(alpha) / w.pow(1 - alpha)).clamp(min=1e-5)
+
+
+def choose_scale(x_absmax, weights, index, channels, cfg: SmoothQuantConfig, error=None):
+    """(scale over prev channels, alpha): fixed alpha, or the best of cfg.alpha_grid."""
+    w_absmax = torch.stack([w.abs().amax(dim=0) for w in weights]).amax(dim=0)  # (in,)
+    act, wmax = to_prev(x_absmax, index, channels), to_prev(w_absmax, index, channels)
+    candidates = cfg.alpha_grid if cfg.alpha_grid and error is not None else (cfg.alpha,)
+    best = None
+    for alpha in candidates:
+        s = smooth_scale(act, wmax, alpha)
+        loss = error(s[index]) if len(candidates) > 1 else 0.0
+        if best is None or loss < best[0]:
+            best = (loss, s, alpha)
+    return best[1], best[2]
+
+
+def smooth_layer(layer, arch, inputs, device, cfg: SmoothQuantConfig) -> dict:
+    collectors = {p.linears[0]: InputCollector(token_stride(inputs.hidden, cfg.max_tokens))
+                  for p in arch.smooth}
+    record_linear_inputs(layer, list(collectors), inputs, device,
+                         lambda name, x: collectors[name].update(x))
+    quant_w = weight_quantizer(IntScheme(cfg.weight_bits, strategy="channel"))
+    chosen = {}
+    for pair in arch.smooth:
+        stats = collectors[pair.linears[0]].result()
+        weights = pair_weights(layer, pair)
+        channels, index = pair_index(layer, pair)
+        error = PairError(stats.sample, weights, quant_w, per_token_int8) if cfg.alpha_grid else None
+        scale, alpha = choose_scale(stats.absmax, weights, index, channels, cfg, error)
+        fold_scale(layer, pair, scale, arch.norm_offset)
+        chosen[pair.prev] = alpha
+    return chosen
+
+
+def apply(ctx: StepContext, cfg: SmoothQuantConfig) -> dict:
+    if not ctx.arch.smooth:
+        raise ValueError("smoothquant: the architecture table has no smoothing pairs for this model "
+                         "(an unknown architecture?); add its row to calibrate/arch.py")
+    alphas = walk(ctx.model, ctx.arch, ctx.batches,
+                  lambda i, name, layer, inputs: smooth_layer(layer, ctx.arch, inputs, ctx.device, cfg),
+                  device=ctx.device, label="smoothquant")
+    return {"smoothed_pairs": [p.prev for p in ctx.arch.smooth], "alpha": cfg.alpha,
+            "alphas_chosen": alphas if cfg.alpha_grid else None}

@@ -1,0 +1,109 @@
+"""AWQ: the scale and clip searches beat plain RTN on inputs with outlier channels, deterministically."""
+from __future__ import annotations
+
+import torch
+
+from lowbit.calibrate.arch import arch_for, decoder_layers
+from lowbit.quantize import awq, rtn
+from lowbit.quantize.primitives import IntScheme
+from lowbit.quantize.smoothing import PairError, weight_quantizer
+from lowbit.quantize.step import StepContext
+
+from tiny_models import make_tiny_model
+
+CFG = awq.AWQConfig(bits=4, group_size=32, grid=10, clip_grid=10)
+
+
+def outlier_inputs(tokens=512, channels=128, seed=0):
+    """Gaussian activations with 10% of channels scaled x10."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, channels, generator=gen)
+    outliers = torch.randperm(channels, generator=gen)[: channels // 10]
+    x[:, outliers] *= 10
+    return x
+
+
+def test_scale_search_beats_rtn_on_outlier_channels():
+    x = outlier_inputs()
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    error = PairError(x, [w], weight_quantizer(CFG.scheme))
+    index = torch.arange(128)
+    x_mean = x.abs().mean(dim=0)
+    w_mean = awq.weight_magnitude([w], CFG.scheme)
+    scale, ratio = awq.search_scale(x_mean, w_mean, index, error, CFG)
+    assert ratio is not None  # some scaling was better than none
+    assert error(scale) < 0.8 * error(torch.ones(128))
+    again, ratio2 = awq.search_scale(x_mean, w_mean, index, error, CFG)
+    assert torch.equal(scale, again) and ratio == ratio2
+
+
+def test_clip_search_lowers_group_output_error():
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(2))
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
+    w[0, 5] = 12.0  # one large weight stretches its group's grid
+    quant = weight_quantizer(CFG.scheme)
+    clipped = awq.search_clip(w, x, CFG.scheme, CFG)
+    assert not torch.equal(clipped, w)
+    err = lambda v: (x @ quant(v).t() - x @ w.t()).pow(2).mean()
+    assert err(clipped) < err(w)
+    assert torch.equal(clipped, awq.search_clip(w, x, CFG.scheme, CFG))
+
+
+def _outlier_llama():
+    model = make_tiny_model("llama")
+    gen = torch.Generator().manual_seed(4)
+    for layer in decoder_layers(model, arch_for(model)):
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            idx = torch.randperm(128, generator=gen)[:13]
+            norm.weight.data[idx] *= 10  # 10% outlier input channels for q/k/v and gate/up
+    return model
+
+
+def _logit_error(model, reference, ids):
+    with torch.no_grad():
+        return (model(ids).logits - reference).pow(2).mean().item()
+
+
+def test_awq_then_rtn_beats_rtn_on_tiny_model_and_is_deterministic():
+    ids = torch.randint(3, 512, (4, 32), generator=torch.Generator().manual_seed(5))
+    scheme = IntScheme(4, strategy="group", group_size=32)
+    plain = _outlier_llama()
+    with torch.no_grad():
+        reference = plain(ids).logits
+    rtn.apply(StepContext(plain, arch_for(plain), ("lm_head",), lambda: ids), scheme)
+    results, errors, states = [], [], []
+    for _ in range(2):
+        model = _outlier_llama()
+        ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: ids)
+        results.append(awq.apply(ctx, awq.AWQConfig(bits=4, group_size=32, grid=8, clip_grid=8)))
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+        rtn.apply(ctx, scheme)
+        errors.append(_logit_error(model, reference, ids))
+    assert errors[0] < _logit_error(plain, reference, ids)
+    assert results[0] == results[1] and errors[0] == errors[1]
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_awq_scaling_without_quantization_keeps_function():
+    ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(6))
+    model = make_tiny_model("qwen2")
+    with torch.no_grad():
+        before = model(ids).logits
+    awq.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: ids),
+              awq.AWQConfig(group_size=32, grid=3, clip=False))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-4)
+
+
+def test_awq_composes_with_gptq():
+    from lowbit.quantize import gptq
+    from lowbit.quantize.qlinear import QuantLinear
+
+    ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(7))
+    model = _outlier_llama()
+    ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: ids)
+    awq.apply(ctx, awq.AWQConfig(group_size=32, grid=3, clip_grid=2))
+    gptq.apply(ctx, gptq.GPTQConfig(bits=4, strategy="group", group_size=32))
+    assert isinstance(model.get_submodule("model.layers.1.mlp.down_proj"), QuantLinear)
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
