@@ -29,18 +29,24 @@ class InputQuant:
 
     @property
     def qmax(self) -> int:
-        return 2 ** (self.bits - 1) - 1  # 127: a symmetric grid, -128 unused
+        return 2 ** (self.bits - 1) - 1  # 127; codes clamp to [-128, 127]
+
+
+def _half_range(qmax: int) -> float:
+    # absmax maps to (qmax - qmin) / 2 = 127.5, the grid compressed-tensors (and so vLLM and
+    # transformers) uses for symmetric activations; lowbit's weight grids do the same
+    return (2 * qmax + 1) / 2
 
 
 def per_token_scale(x2d: torch.Tensor, qmax: int) -> torch.Tensor:
-    """(tokens, 1) scale mapping each token's absmax onto qmax."""
-    s = x2d.abs().amax(dim=-1, keepdim=True).float() / qmax
+    """(tokens, 1) scale mapping each token's absmax onto the grid's half range."""
+    s = x2d.abs().amax(dim=-1, keepdim=True).float() / _half_range(qmax)
     return torch.where(s > 0, s, torch.ones_like(s))
 
 
 def static_scale_from_absmax(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
     """(1,) per-tensor scale from a calibrated absmax."""
-    s = absmax.float().reshape(1) / qmax
+    s = absmax.float().reshape(1) / _half_range(qmax)
     return torch.where(s > 0, s, torch.ones_like(s))
 
 

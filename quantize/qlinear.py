@@ -24,7 +24,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("weight_zero", None if scheme.symmetric else torch.zeros(rows, groups))
         self.register_buffer("weight_g_idx", torch.zeros(in_features, dtype=torch.int32) if act_order else None)
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
-        # static input quantization: the calibrated per-tensor scale (1,) float32, absmax / 127
+        # static input quantization: the calibrated per-tensor scale (1,) float32, absmax / 127.5
         static = input_quant is not None and not input_quant.dynamic
         self.register_buffer("input_scale", torch.ones(1) if static else None)
 
