@@ -107,6 +107,7 @@ class CpuKernel:
     def __init__(self, ext, layout: CpuLayout, bias: Optional[torch.Tensor]):
         self.layout, self.bias = layout, None if bias is None else bias.float()
         self.fn = ext.gemv_int4 if layout.bits == 4 else ext.gemv_int8
+        self.nbytes = sum(t.nbytes for t in (layout.weight, layout.sb, bias) if t is not None)  # read per call
 
     def accepts(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.numel() // x.shape[-1] <= MAX_ROWS

@@ -39,6 +39,7 @@ class Int4Tinygemm(_CudaKernel):
     def __init__(self, packed, scales_zeros, group, bias):
         super().__init__(bias)
         self.packed, self.scales_zeros, self.group = packed, scales_zeros, group
+        self.nbytes = packed.nbytes + scales_zeros.nbytes  # read per call
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm(x2.to(torch.bfloat16).contiguous(), self.packed, self.group,
@@ -70,6 +71,7 @@ class Int8WeightOnly(_CudaKernel):
     def __init__(self, codes, scale, bias):
         super().__init__(bias)
         self.codes, self.scale = codes, scale  # (N, K) int8, (N,) float32
+        self.nbytes = codes.nbytes + scale.nbytes  # read per call
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         # the scale is per output row, so it moves after the matmul; torch.compile fuses the cast
