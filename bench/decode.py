@@ -44,25 +44,47 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+class Timings:
+    """Wall-clock and process CPU seconds of each timed block. CPU time leaves out the time the
+    process waits for a core, so on a shared machine it is the fairer figure (exact with 1 thread;
+    with more it also counts threads that spin while waiting)."""
+
+    def __init__(self):
+        self.wall, self.cpu = [], []
+
+    def __enter__(self):
+        self._start = time.perf_counter(), time.process_time()
+
+    def __exit__(self, *exc):
+        self.wall.append(time.perf_counter() - self._start[0])
+        self.cpu.append(time.process_time() - self._start[1])
+
+
+STATS = {  # name -> seconds from a Timings (after dropping warm-up)
+    "median": lambda t, skip=0: statistics.median(t.wall[skip:]),
+    "best": lambda t, skip=0: min(t.wall[skip:]),
+    "cpu-median": lambda t, skip=0: statistics.median(t.cpu[skip:]),
+}
+
+
 class BandwidthProbe:
     """Times a large read two ways (tensor sum, fp32 GEMV); the faster is the roofline's bandwidth."""
 
     def __init__(self, device: torch.device, mib: int = 512):
         self.big = torch.ones(mib * 2**20 // 4, device=device)
         self.x = torch.ones(1, 4096, device=device)
-        self.device, self.sum_s, self.gemv_s = device, [], []
+        self.device, self.times = device, {"sum": Timings(), "gemv": Timings()}
 
     @torch.inference_mode()
     def step(self) -> None:
-        for fn, times in ((self.big.sum, self.sum_s), (lambda: F.linear(self.x, self.big.view(-1, 4096)), self.gemv_s)):
-            start = time.perf_counter()
-            fn()
-            sync(self.device)
-            times.append(time.perf_counter() - start)
+        for fn, name in ((self.big.sum, "sum"), (lambda: F.linear(self.x, self.big.view(-1, 4096)), "gemv")):
+            with self.times[name]:
+                fn()
+                sync(self.device)
 
     def result(self, stat) -> dict:
         n = self.big.numel() * 4 / 1e9
-        sum_gbs, gemv_gbs = n / stat(self.sum_s), n / stat(self.gemv_s)
+        sum_gbs, gemv_gbs = n / stat(self.times["sum"]), n / stat(self.times["gemv"])
         return {"sum_gbs": sum_gbs, "fp32_gemv_gbs": gemv_gbs, "gbs": max(sum_gbs, gemv_gbs)}
 
 
@@ -135,17 +157,16 @@ class DecodeSession:
         ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=gen).to(device)
         self.model, self.device, self.cache = model, device, DynamicCache(config=model.config)
         self.token = self._forward(ids)
-        self.times: list[float] = []
+        self.times = Timings()
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[:, -1:].argmax(-1)
 
     @torch.inference_mode()
     def step(self) -> None:
-        start = time.perf_counter()
-        self.token = self._forward(self.token)
-        sync(self.device)
-        self.times.append(time.perf_counter() - start)
+        with self.times:
+            self.token = self._forward(self.token)
+            sync(self.device)
 
 
 def build_variants(model: nn.Module, names: list[str], args, device) -> dict:
@@ -181,10 +202,10 @@ def bench_model(model_name: str, args, device) -> list[dict]:
         for i in range(args.warmup + args.steps):
             for runner in order[i % len(order):] + order[: i % len(order)]:
                 runner.step()
-        for stat_name, stat in (("median", statistics.median), ("best", min)):
+        for stat_name, stat in STATS.items():
             bandwidth = probe.result(stat)
             for name, session in sessions.items():
-                seconds = stat(session.times[args.warmup:])
+                seconds = stat(session.times, args.warmup)
                 nbytes = step_bytes(session.model, batch, args.prompt + (args.warmup + args.steps) // 2)
                 rows.append(dict(model=model_name, device=str(device), stat=stat_name, scheme=name, batch=batch,
                                  tokens_per_s=batch / seconds, step_ms=seconds * 1e3, step_mb=nbytes / 1e6,

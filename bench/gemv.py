@@ -26,24 +26,42 @@ SCHEMES = {"int8-channel": IntScheme(8, True, "channel"), "int4-g128": IntScheme
            "int4-g32-asym": IntScheme(4, False, "group", 32)}
 
 
+class Cycle:
+    """Calls fn on copies of a weight in turn, enough copies to outgrow the last-level cache
+    (else small low-bit weights would be timed from cache, not memory)."""
+
+    def __init__(self, make_fn, nbytes: int, cache_bytes: int = 96 * 2**20):
+        self.fns = [make_fn() for _ in range(-(-cache_bytes // nbytes))]
+        self.nbytes, self.i = nbytes, 0
+
+    def __call__(self):
+        self.i = (self.i + 1) % len(self.fns)
+        return self.fns[self.i]()
+
+
 def variants(out: int, inp: int, rows: int, backend: str, device) -> dict:
-    """name -> (callable, bytes it reads)."""
+    """name -> Cycle of callables (with the bytes one call reads)."""
     w = torch.randn(out, inp, device=device) * 0.02
     x = torch.randn(rows, inp, device=device)
-    wb, xb = w.bfloat16(), x.bfloat16()
-    found = {"fp32": (lambda: F.linear(x, w), w.nbytes), "bf16": (lambda: F.linear(xb, wb), wb.nbytes)}
+    xb = x.bfloat16()
+    found = {"fp32": Cycle(lambda: (lambda w=w.clone(): F.linear(x, w)), w.nbytes),
+             "bf16": Cycle(lambda: (lambda w=w.bfloat16(): F.linear(xb, w)), w.nbytes // 2)}
     for name, scheme in SCHEMES.items():
         layer = QuantLinear.from_quantized(quantize_rtn(w, scheme), None)
         chosen = backends.prepare(layer, backend)[""]
         if layer.kernel is not None:
-            found[f"{name} ({chosen})"] = (lambda layer=layer: layer(x), layer.kernel.nbytes)
+            def make(layer=layer):
+                twin = QuantLinear.from_quantized(layer.quantized_weight(), None)
+                backends.prepare(twin, backend)
+                return lambda: twin(x)
+            found[f"{name} ({chosen})"] = Cycle(make, layer.kernel.nbytes)
     return found
 
 
 def measure(fns: dict, reps: int, device) -> dict:
     times = {name: [] for name in fns}
     for i in range(reps + 3):
-        for name, (fn, _) in fns.items():
+        for name, fn in fns.items():
             start = time.perf_counter()
             fn()
             if device.type == "cuda":
@@ -69,8 +87,8 @@ def main(argv=None) -> None:
             times = measure(fns, args.reps, device)
             for stat_name, stat in (("median", statistics.median), ("best", min)):
                 base = stat(times["fp32"])
-                for name, (_, nbytes) in fns.items():
-                    t = stat(times[name])
+                for name, fn in fns.items():
+                    t, nbytes = stat(times[name]), fn.nbytes
                     row = dict(shape=shape, rows=rows, stat=stat_name, variant=name, ms=t * 1e3,
                                gbs=nbytes / t / 1e9, vs_fp32=base / t, threads=torch.get_num_threads())
                     if args.json:

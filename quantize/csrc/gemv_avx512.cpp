@@ -21,37 +21,74 @@ constexpr int kMaxRows = 4;  // activation rows sharing one dequantized weight c
 
 // int4 codes index a 16-entry table of dequantized values: vpermps reads the low 4 bits of
 // each lane, so the low nibble needs no masking and one permute replaces convert + scale.
+inline void int4_block(const uint8_t* w, const float* tables, const int32_t* lo_off, const int32_t* hi_off,
+                       int64_t b, __m512& w_lo, __m512& w_hi) {
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w + b * 16)));
+  w_lo = _mm512_permutexvar_ps(q, _mm512_loadu_ps(tables + lo_off[b]));
+  w_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), _mm512_loadu_ps(tables + hi_off[b]));
+}
+
+inline float reduce4(const __m512* a) {
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+}
+
+// Four accumulators per activation row: one FMA chain would stall on FMA latency, not memory.
 template <int MB>
 void int4_row(const float* x, int64_t ldx, const uint8_t* w, const float* tables,
               const int32_t* lo_off, const int32_t* hi_off, int64_t K, float* y, int64_t ldy) {
-  __m512 acc[MB][2];
-  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w + b * 16)));
-    const __m512 w_lo = _mm512_permutexvar_ps(q, _mm512_loadu_ps(tables + lo_off[b]));
-    const __m512 w_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), _mm512_loadu_ps(tables + hi_off[b]));
+  __m512 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t b = 0;
+  __m512 w0, w1, w2, w3;
+  for (; b + 2 <= K / 32; b += 2) {
+    int4_block(w, tables, lo_off, hi_off, b, w0, w1);
+    int4_block(w, tables, lo_off, hi_off, b + 1, w2, w3);
     for (int m = 0; m < MB; ++m) {
       const float* xm = x + m * ldx + b * 32;
-      acc[m][0] = _mm512_fmadd_ps(w_lo, _mm512_loadu_ps(xm), acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(w_hi, _mm512_loadu_ps(xm + 16), acc[m][1]);
+      acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), acc[m][1]);
+      acc[m][2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xm + 32), acc[m][2]);
+      acc[m][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xm + 48), acc[m][3]);
     }
   }
-  for (int m = 0; m < MB; ++m) y[m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+  if (b < K / 32) {
+    int4_block(w, tables, lo_off, hi_off, b, w0, w1);
+    for (int m = 0; m < MB; ++m) {
+      const float* xm = x + m * ldx + b * 32;
+      acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) y[m * ldy] = reduce4(acc[m]);
 }
 
+inline __m512 int8_chunk(const int8_t* w, const float* sb, const int32_t* chunk_group, int64_t c) {
+  const float* g = sb + 2 * chunk_group[c];
+  const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + c * 16))));
+  return _mm512_fmadd_ps(q, _mm512_set1_ps(g[0]), _mm512_set1_ps(g[1]));
+}
+
+// Four chunks per iteration into four accumulators (fixed indices keep them in registers).
 template <int MB>
 void int8_row(const float* x, int64_t ldx, const int8_t* w, const float* sb, const int32_t* chunk_group,
               int64_t K, float* y, int64_t ldy) {
-  __m512 acc[MB][2];
-  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < K / 16; ++c) {
-    const float* g = sb + 2 * chunk_group[c];
-    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + c * 16))));
-    const __m512 wv = _mm512_fmadd_ps(q, _mm512_set1_ps(g[0]), _mm512_set1_ps(g[1]));
+  __m512 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 4 <= K / 16; c += 4) {
+    __m512 wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = int8_chunk(w, sb, chunk_group, c + j);
     for (int m = 0; m < MB; ++m)
-      acc[m][c & 1] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * ldx + c * 16), acc[m][c & 1]);
+      for (int j = 0; j < 4; ++j)
+        acc[m][j] = _mm512_fmadd_ps(wv[j], _mm512_loadu_ps(x + m * ldx + (c + j) * 16), acc[m][j]);
   }
-  for (int m = 0; m < MB; ++m) y[m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+  for (; c < K / 16; ++c) {
+    const __m512 w0 = int8_chunk(w, sb, chunk_group, c);
+    for (int m = 0; m < MB; ++m) acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * ldx + c * 16), acc[m][0]);
+  }
+  for (int m = 0; m < MB; ++m) y[m * ldy] = reduce4(acc[m]);
 }
 
 // Row n of the output for all M activation rows, in blocks of up to kMaxRows.
