@@ -13,11 +13,15 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace {
 
 constexpr int kMaxRows = 4;  // activation rows sharing one dequantized weight chunk
+// With several activation rows, columns run in tiles of this many, so that the rows' tile
+// (8 rows: 16 KiB) stays in L1 while every output row uses it; one row needs no tiling.
+constexpr int64_t kTileK = 512;
 
 // int4 codes index a 16-entry table of dequantized values: vpermps reads the low 4 bits of
 // each lane, so the low nibble needs no masking and one permute replaces convert + scale.
@@ -60,7 +64,7 @@ void int4_row(const float* x, int64_t ldx, const uint8_t* w, const float* tables
       acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), acc[m][1]);
     }
   }
-  for (int m = 0; m < MB; ++m) y[m * ldy] = reduce4(acc[m]);
+  for (int m = 0; m < MB; ++m) y[m * ldy] += reduce4(acc[m]);
 }
 
 inline __m512 int8_chunk(const int8_t* w, const float* sb, const int32_t* chunk_group, int64_t c) {
@@ -88,7 +92,7 @@ void int8_row(const float* x, int64_t ldx, const int8_t* w, const float* sb, con
     const __m512 w0 = int8_chunk(w, sb, chunk_group, c);
     for (int m = 0; m < MB; ++m) acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * ldx + c * 16), acc[m][0]);
   }
-  for (int m = 0; m < MB; ++m) y[m * ldy] = reduce4(acc[m]);
+  for (int m = 0; m < MB; ++m) y[m * ldy] += reduce4(acc[m]);
 }
 
 // Row n of the output for all M activation rows, in blocks of up to kMaxRows.
@@ -118,22 +122,26 @@ torch::Tensor gemv_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sb,
     lo_off[b] = (int32_t)((b * 32) / group * 16);
     hi_off[b] = (int32_t)((b * 32 + 16) / group * 16);
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = torch::zeros({M, N}, x.options());  // tiles add their partial sums
   const float* xp = x.data_ptr<float>();
   const float* sbp = sb.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  const int64_t KT = M > 1 ? kTileK : K;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> tables(G * 16);
+    std::vector<float> tables(G * 16);  // only the tile's groups are filled, at their own slots
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t n = begin; n < end; ++n) {
-      const float* s = sbp + n * G * 2;
-      for (int64_t g = 0; g < G; ++g)
-        _mm512_storeu_ps(&tables[g * 16], _mm512_fmadd_ps(iota, _mm512_set1_ps(s[2 * g]), _mm512_set1_ps(s[2 * g + 1])));
-      for_row_blocks(M, [&](auto mb, int64_t m) {
-        int4_row<decltype(mb)::value>(xp + m * K, K, wp + n * (K / 2), tables.data(), lo_off.data(),
-                                      hi_off.data(), K, yp + m * N + n, N);
-      });
+    for (int64_t k0 = 0; k0 < K; k0 += KT) {
+      const int64_t kt = std::min(KT, K - k0);
+      for (int64_t n = begin; n < end; ++n) {
+        const float* s = sbp + n * G * 2;
+        for (int64_t g = k0 / group; g <= (k0 + kt - 1) / group; ++g)
+          _mm512_storeu_ps(&tables[g * 16], _mm512_fmadd_ps(iota, _mm512_set1_ps(s[2 * g]), _mm512_set1_ps(s[2 * g + 1])));
+        for_row_blocks(M, [&](auto mb, int64_t m) {
+          int4_row<decltype(mb)::value>(xp + m * K + k0, K, wp + n * (K / 2) + k0 / 2, tables.data(),
+                                        lo_off.data() + k0 / 32, hi_off.data() + k0 / 32, kt, yp + m * N + n, N);
+        });
+      }
     }
   });
   return y;
@@ -145,17 +153,19 @@ torch::Tensor gemv_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sb, 
   TORCH_CHECK(codes.scalar_type() == torch::kChar && codes.is_contiguous(), "codes must be contiguous int8");
   std::vector<int32_t> chunk_group(K / 16);
   for (int64_t c = 0; c < K / 16; ++c) chunk_group[c] = (int32_t)(c * 16 / group);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = torch::zeros({M, N}, x.options());  // tiles add their partial sums
   const float* xp = x.data_ptr<float>();
   const float* sbp = sb.data_ptr<float>();
   const int8_t* wp = codes.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
+  const int64_t KT = M > 1 ? kTileK : K;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for_row_blocks(M, [&](auto mb, int64_t m) {
-        int8_row<decltype(mb)::value>(xp + m * K, K, wp + n * K, sbp + n * G * 2, chunk_group.data(), K,
-                                      yp + m * N + n, N);
-      });
+    for (int64_t k0 = 0; k0 < K; k0 += KT)
+      for (int64_t n = begin; n < end; ++n)
+        for_row_blocks(M, [&](auto mb, int64_t m) {
+          int8_row<decltype(mb)::value>(xp + m * K + k0, K, wp + n * K + k0, sbp + n * G * 2,
+                                        chunk_group.data() + k0 / 16, std::min(KT, K - k0), yp + m * N + n, N);
+        });
   });
   return y;
 }
