@@ -3,6 +3,7 @@ the memory roofline, all measured in one process on the current device.
 
     python bench/decode.py                       # smollm2-135m and a ~1B random Llama, batch 1 and 8
     python bench/decode.py --models llama-1b --batches 1 --json
+    python bench/decode.py --layers 16 --threads 1   # a shared CPU: no stalls at thread barriers
 
 Only the decode steps are timed (prefill runs first, untimed); each figure is the median over
 --steps steps after --warmup (the fastest step is reported too: on a shared machine it is the
