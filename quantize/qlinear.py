@@ -13,6 +13,8 @@ from .weight import QuantizedWeight
 class QuantLinear(nn.Module):
     """Holds integer codes and scales; the reference path dequantizes and runs a float matmul."""
 
+    kernel = None  # a packed-weight matmul attached by quantize.backends.prepare(), else None
+
     def __init__(self, in_features: int, out_features: int, scheme: IntScheme, bias: bool,
                  groups: int, act_order: bool = False, input_quant: InputQuant | None = None):
         super().__init__()
@@ -50,8 +52,10 @@ class QuantLinear(nn.Module):
         return self.quantized_weight().dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_quant is not None:
+        if self.input_quant is not None:  # W8A8: int8 inputs too, never a weight-only kernel
             return quantized_input_linear(self, x)
+        if self.kernel is not None and self.kernel.accepts(x):
+            return self.kernel(x)
         w = self.dequantized_weight().to(x.dtype)
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, w, b)

@@ -1,0 +1,83 @@
+"""Runtime backends for QuantLinear: one `backend` setting picks the matmul each layer runs.
+
+`prepare(model, backend)` packs every QuantLinear's codes once into the chosen kernel's layout
+and attaches the kernel; QuantLinear.forward then calls it for the inputs it accepts (decode-
+sized batches) and runs the reference path (dequantize + F.linear) for the rest. A layer that
+a kernel cannot take (bit width, group size, shape) keeps the reference path and is reported.
+
+  reference   dequantize + F.linear everywhere (the definition every backend is tested against)
+  cpu_avx512  quantize/csrc/gemv_avx512.cpp: int2-4 codes as nibbles, int5-8 as bytes
+  cuda_int4   torch's tinygemm (torch._weight_int4pack_mm), 4-bit groups of 32-256
+  cuda_int8   int8 weight-only: per-channel symmetric codes cast in the matmul
+  auto        the fastest available one for the device the layer's codes are on
+"""
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+from . import cpu_kernels, cuda_kernels
+from .qlinear import QuantLinear
+
+Backend = Literal["reference", "auto", "cpu_avx512", "cuda_int4", "cuda_int8"]
+BACKENDS = get_args(Backend)
+
+
+def prepare(model: nn.Module, backend: Backend = "auto") -> dict[str, str]:
+    """Attach `backend`'s kernel to every QuantLinear in model; returns layer -> what it runs.
+
+    Call it after moving the model to its device; moving it later needs a new prepare()."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    chosen = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            module.kernel, chosen[name] = make_kernel(module, backend)
+    return chosen
+
+
+def make_kernel(module: QuantLinear, backend: Backend):
+    """(kernel or None, description) for one layer."""
+    if backend == "reference":
+        return None, "reference"
+    if module.input_quant is not None:
+        return None, "int8 inputs (W8A8): quantized-input path, not a weight-only kernel"
+    candidates = auto_candidates(module.weight_codes.device) if backend == "auto" else [backend]
+    reasons = []
+    for name in candidates:
+        kernel, reason = BUILDERS[name](module)
+        if kernel is not None:
+            return kernel, name
+        reasons.append(f"{name}: {reason}")
+    if backend != "auto" and not reasons:
+        reasons.append(f"{backend}: not available")
+    return None, "reference (" + "; ".join(reasons) + ")"
+
+
+def auto_candidates(device: torch.device) -> list[str]:
+    if device.type == "cuda":
+        return ["cuda_int4", "cuda_int8"]
+    if device.type == "cpu":
+        return ["cpu_avx512"]
+    return []
+
+
+def _cpu_avx512(module: QuantLinear):
+    if module.weight_codes.device.type != "cpu":
+        return None, f"codes are on {module.weight_codes.device}, not the CPU"
+    layout = cpu_kernels.layout_for(module)
+    if isinstance(layout, str):
+        return None, layout
+    ext = cpu_kernels.load()
+    if ext is None:
+        return None, "the extension did not build (see the warning)"
+    return cpu_kernels.CpuKernel(ext, layout, module.bias), None
+
+
+BUILDERS = {
+    "cpu_avx512": _cpu_avx512,
+    "cuda_int4": cuda_kernels.int4_tinygemm,
+    "cuda_int8": cuda_kernels.int8_weight_only,
+}

@@ -1,0 +1,123 @@
+"""AVX-512 weight-only GEMV for CPU decode: built from csrc/gemv_avx512.cpp on first use.
+
+The build (g++ and ninja, through torch.utils.cpp_extension) is cached under
+$LOWBIT_CACHE/kernels; when it fails, or the CPU lacks AVX-512, `load()` returns None with
+the reason, and the caller falls back to the reference path.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from lowbit.calibrate.cache import cache_dir
+
+SOURCE = Path(__file__).with_name("csrc") / "gemv_avx512.cpp"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
+
+
+def cpu_supported() -> str | None:
+    """None when this CPU can run the kernels, else why not."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if "AVX512" not in capability:
+        return f"CPU capability is {capability}, the kernels need AVX512"
+    return None
+
+
+@functools.cache
+def load():
+    """The compiled extension module, or None (after one warning saying why)."""
+    reason = cpu_supported()
+    if reason is None:
+        try:
+            return _build()
+        except Exception as err:  # a missing compiler or ninja shows up as several error types
+            reason = f"building {SOURCE.name} failed: {type(err).__name__}: {err}"
+    warnings.warn(f"lowbit: CPU low-bit kernels unavailable ({reason}); using the reference "
+                  "path (dequantize + F.linear)", RuntimeWarning, stacklevel=2)
+    return None
+
+
+def _build():
+    from torch.utils.cpp_extension import load as load_extension
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    name = f"lowbit_gemv_{digest}"  # a new source or flags is a new module, never a stale one
+    build_dir = cache_dir("kernels", f"torch{torch.__version__}", name)
+    return load_extension(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                          build_directory=str(build_dir), verbose=False)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Signed codes (N, K) in [-8, 8) -> (N, K/2) uint8: in each 16-byte block, byte i holds
+    weight i (low nibble) and weight i + 16 (high nibble), both as code + 8."""
+    n, k = codes.shape
+    u = (codes.to(torch.int16) + 8).to(torch.uint8).reshape(n, k // 32, 2, 16)
+    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def scale_offset(scale: torch.Tensor, zero: torch.Tensor | None, code_shift: int) -> torch.Tensor:
+    """(N, G, 2) float32: w = u * s + b for a stored code u = q + code_shift, b = -(shift + z) * s."""
+    shift = torch.full_like(scale, float(code_shift)) if zero is None else code_shift + zero.float()
+    return torch.stack([scale.float(), -shift * scale.float()], dim=-1).contiguous()
+
+
+MAX_ROWS = 16  # activation rows per call the kernels take; larger (prefill) runs the reference
+
+
+@dataclass(frozen=True)
+class CpuLayout:
+    bits: int  # 4: nibbles (codes of 2-4 bits), 8: bytes (codes of 5-8 bits)
+    weight: torch.Tensor  # (N, K/2) uint8 or (N, K) int8
+    sb: torch.Tensor  # (N, G, 2) float32 scale and offset
+    group: int  # input columns per scale
+    perm: Optional[torch.Tensor]  # (K,) input order that makes act-order groups contiguous
+
+
+def layout_for(module) -> CpuLayout | str:
+    """The kernel layout of a QuantLinear, or why the kernels cannot take it."""
+    scheme, (n, k) = module.scheme, module.weight_codes.shape
+    bits = 4 if scheme.bits <= 4 else 8
+    group = scheme.group_size if scheme.strategy == "group" else k
+    if group % 16 or k % (32 if bits == 4 else 16):
+        return f"in_features {k} / group {group} not multiples of the kernel's 16/32-column chunks"
+    codes, perm = module.weight_codes, None
+    if module.weight_g_idx is not None:
+        g_idx = module.weight_g_idx.long()
+        if not bool((torch.bincount(g_idx, minlength=k // group) == group).all()):
+            return "act-order g_idx does not give every group exactly group_size columns"
+        perm = torch.argsort(g_idx, stable=True)
+        codes = codes[:, perm]
+    scale, zero = module.weight_scale, module.weight_zero
+    scale = scale.expand(n, k // group)  # per-tensor (1, 1) becomes one scale per row
+    zero = None if zero is None else zero.expand(n, k // group)
+    if bits == 4:
+        return CpuLayout(4, pack_int4(codes), scale_offset(scale, zero, 8), group, perm)
+    return CpuLayout(8, codes.contiguous(), scale_offset(scale, zero, 0), group, perm)
+
+
+class CpuKernel:
+    """Callable attached to a QuantLinear: y = x @ W^T (+ bias) for up to MAX_ROWS rows."""
+
+    def __init__(self, ext, layout: CpuLayout, bias: Optional[torch.Tensor]):
+        self.layout, self.bias = layout, None if bias is None else bias.float()
+        self.fn = ext.gemv_int4 if layout.bits == 4 else ext.gemv_int8
+        self.nbytes = sum(t.nbytes for t in (layout.weight, layout.sb, bias) if t is not None)  # read per call
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.numel() // x.shape[-1] <= MAX_ROWS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lay = self.layout
+        x2 = x.reshape(-1, x.shape[-1])
+        if lay.perm is not None:
+            x2 = x2.index_select(1, lay.perm)
+        y = self.fn(x2.float().contiguous(), lay.weight, lay.sb, lay.group)
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])

@@ -1,0 +1,155 @@
+"""Every runtime backend must give the reference path's output (dequantize + F.linear)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lowbit.quantize import backends, cpu_kernels
+from lowbit.quantize.primitives import IntScheme
+from lowbit.quantize.qlinear import QuantLinear
+from lowbit.quantize.weight import quantize_rtn
+
+HAS_AVX512 = cpu_kernels.cpu_supported() is None
+needs_cpu_kernels = pytest.mark.skipif(not HAS_AVX512, reason="CPU without AVX-512")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+SCHEMES = [
+    IntScheme(4, True, "group", 32),
+    IntScheme(4, False, "group", 128),
+    IntScheme(4, True, "group", 16),
+    IntScheme(4, False, "channel"),
+    IntScheme(3, False, "group", 64),
+    IntScheme(8, True, "channel"),
+    IntScheme(8, False, "group", 64),
+    IntScheme(8, True, "tensor"),
+    IntScheme(6, True, "group", 32),
+]
+# (out, in); 200 rows: uneven split across threads; 1088 inputs: a partial last column tile
+SHAPES = [(64, 256), (200, 512), (48, 1024), (40, 1088)]
+
+
+def make_layer(out: int, inp: int, scheme: IntScheme, bias: bool = True, seed: int = 0) -> QuantLinear:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g) * 0.05 + 0.01  # an offset exercises zero points
+    b = torch.randn(out, generator=g) if bias else None
+    return QuantLinear.from_quantized(quantize_rtn(w, scheme), b)
+
+
+def assert_matches_reference(layer: QuantLinear, x: torch.Tensor, backend: str, rtol: float = 1e-5):
+    expected = layer(x)  # no kernel attached yet: the reference path
+    chosen = backends.prepare(layer, backend)
+    assert chosen[""] == backend, chosen
+    got = layer(x)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    scale = expected.abs().max().item()
+    assert (got - expected).abs().max().item() <= rtol * scale + 1e-6
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", [1, 8])
+def test_cpu_kernels_match_reference(scheme, shape, rows):
+    if scheme.group_size and shape[1] % scheme.group_size:
+        pytest.skip("group size does not divide in_features")
+    layer = make_layer(*shape, scheme)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1))
+    assert_matches_reference(layer, x, "cpu_avx512")
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("leading", [(3,), (2, 5), (1, 1)])
+def test_cpu_kernels_take_any_leading_shape_and_odd_row_counts(leading):
+    layer = make_layer(96, 256, IntScheme(4, False, "group", 32))
+    x = torch.randn(*leading, 256)
+    assert_matches_reference(layer, x, "cpu_avx512")
+
+
+@needs_cpu_kernels
+def test_cpu_kernels_keep_bf16_activations_in_bf16():
+    layer = make_layer(64, 256, IntScheme(4, True, "group", 64))
+    x = torch.randn(2, 256).bfloat16()
+    assert_matches_reference(layer, x, "cpu_avx512", rtol=1e-2)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_kernels_follow_act_order_groups(bits):
+    scheme = IntScheme(bits, False, "group", 32)
+    layer = make_layer(64, 256, scheme)
+    g_idx = torch.randperm(256, generator=torch.Generator().manual_seed(2)) // 32  # shuffled groups
+    layer.weight_g_idx = g_idx.to(torch.int32)
+    assert_matches_reference(layer, torch.randn(3, 256), "cpu_avx512")
+
+
+@needs_cpu_kernels
+def test_large_batches_take_the_reference_path():
+    layer = make_layer(64, 256, IntScheme(4, True, "group", 32))
+    backends.prepare(layer, "cpu_avx512")
+    x = torch.randn(cpu_kernels.MAX_ROWS + 1, 256)
+    assert not layer.kernel.accepts(x)
+    assert layer.kernel.accepts(x[:1])
+
+
+@needs_cpu_kernels
+def test_auto_picks_the_cpu_kernel_and_reference_clears_it():
+    layer = make_layer(64, 256, IntScheme(4, True, "group", 32))
+    assert backends.prepare(layer, "auto") == {"": "cpu_avx512"}
+    assert backends.prepare(layer, "reference") == {"": "reference"}
+    assert layer.kernel is None
+
+
+def test_unsupported_layers_keep_the_reference_path_and_say_why():
+    layer = make_layer(64, 200, IntScheme(4, True, "group", 40))  # 40-column groups: no kernel
+    chosen = backends.prepare(layer, "auto")
+    assert layer.kernel is None and chosen[""].startswith("reference (")
+    cuda = backends.prepare(layer, "cuda_int4")
+    assert "not a CUDA device" in cuda[""]
+
+
+def test_unknown_backend_names_the_valid_ones():
+    with pytest.raises(ValueError, match="cpu_avx512"):
+        backends.prepare(nn.Linear(4, 4), "avx9000")
+
+
+def test_a_failed_build_warns_and_falls_back(monkeypatch):
+    def broken():
+        raise OSError("no compiler")
+
+    monkeypatch.setattr(cpu_kernels, "_build", broken)
+    monkeypatch.setattr(cpu_kernels, "cpu_supported", lambda: None)
+    with pytest.warns(RuntimeWarning, match="no compiler"):
+        assert cpu_kernels.load.__wrapped__() is None
+
+
+@needs_cpu_kernels
+def test_prepared_model_gives_the_same_logits(tiny_llama):
+    from lowbit.calibrate.arch import arch_for
+    from lowbit.quantize import rtn
+    from lowbit.quantize.step import StepContext
+
+    ctx = StepContext(tiny_llama, arch_for(tiny_llama), (), lambda: None)
+    rtn.apply(ctx, IntScheme(4, False, "group", 32))
+    ids = torch.randint(0, 512, (2, 7))
+    with torch.no_grad():
+        expected = tiny_llama(ids[:, :1]).logits
+        chosen = backends.prepare(tiny_llama, "auto")
+        got = tiny_llama(ids[:, :1]).logits
+    assert set(chosen.values()) == {"cpu_avx512"}
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend,scheme", [("cuda_int4", IntScheme(4, False, "group", 128)),
+                                            ("cuda_int4", IntScheme(4, True, "group", 32)),
+                                            ("cuda_int8", IntScheme(8, True, "channel"))])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_cuda_kernels_match_reference(backend, scheme, rows):
+    layer = make_layer(256, 1024, scheme).cuda()
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_matches_reference(layer, x, backend, rtol=2e-2)
