@@ -43,6 +43,7 @@ def tradeoff_plot(rows: list[dict], x_key: str, x_label: str, higher_x_better: b
     uses_ppl = all(r["ppl_increase_pct"] is not None for _, _, r in pts)
     ax.set_ylabel("perplexity increase vs unquantized (%)" if uses_ppl else "mean KL vs unquantized (nats)")
     ax.set_xlabel(x_label + ("  (→ better)" if higher_x_better else "  (← better)"))
+    ax.margins(x=0.2, y=0.12)  # room for the labels
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     return _png(plt, fig)

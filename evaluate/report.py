@@ -46,6 +46,23 @@ def fit_tables(rows) -> tuple[list[str], list[list[str]]]:
     return head, body
 
 
+def memory_table(rows) -> tuple[list[str], list[list[str]]]:
+    head = ["scheme", "weights MiB", "batch x context", "KV cache MiB", "activations MiB", "predicted total MiB",
+            "measured: prefill batch x context", "measured peak RSS MiB", "measured increase MiB",
+            "formula KV+act at measured size MiB"]
+    body = []
+    for r in rows:
+        p, m = r["predicted"], r["measured_peak"]
+        if not p:
+            continue
+        mib = lambda v: _fmt(v and v / MIB, ".1f")  # noqa: E731
+        body.append([r["label"], mib(r["weight_bytes"]), f"{p['batch']} x {p['context']}", mib(p["kv_cache"]),
+                     mib(p["activations"]), mib(p["total"]),
+                     f"{m['batch']} x {m['context']} ({m['dtype']})" if m else "–", mib(m.get("peak_bytes")),
+                     mib(m.get("increase_bytes")), mib(m.get("predicted_kv_plus_activations"))])
+    return head, body
+
+
 def lm_eval_table(rows) -> tuple[list[str], list[list[str]]]:
     cols = sorted({(t, m) for r in rows for t, ms in r["lm_eval"].items() for m in ms if m != "samples"})
     head = ["scheme"] + [f"{t} {m}" for t, m in cols]
@@ -70,13 +87,24 @@ def build_sections(rows, notes) -> list[tuple[str, tuple | None, bytes | None, s
     mem = tradeoff_plot(rows, "weight_bytes", "weight memory (MiB)", higher_x_better=False, x_scale=1 / MIB)
     layers = layer_error_plot(rows)
     lm = lm_eval_table(rows)
+    bw = sorted({f"{r['bandwidth_gbs']:.1f}" for r in rows if r.get("bandwidth_gbs")})
+    speed_note = (f"Read bandwidth measured in the same run: {', '.join(bw)} GB/s; roofline tok/s = batch x "
+                  "bandwidth / bytes read per decode step (weights + KV). Wall-clock medians; noisy on a "
+                  "shared machine.") if bw else ""
+    max_ctx = next((r["model_max_context"] for r in rows if r.get("model_max_context")), None)
+    fit_note = ("Predicted: weights + KV cache + activation workspace (16-bit activations; see results.json)."
+                + (f" The model was trained for {max_ctx:,} tokens: longer contexts fit in memory only." if max_ctx else ""))
     return [
         ("Summary", summary_table(rows), None, "\n".join(notes)),
         ("Quality loss vs decode speed", None, speed,
-         "" if speed else "No speed figures: enable evaluate.speed (e.g. --set evaluate.speed.enabled=true)."),
+         speed_note if speed else "No speed figures: enable evaluate.speed (e.g. --set evaluate.speed.enabled=true)."),
         ("Quality loss vs weight memory", None, mem, "" if mem else "No memory figures recorded."),
+        ("Memory: predicted and measured", memory_table(rows), None,
+         "Measured on CPU is the process's resident-set high-water mark during one prefill; memory the "
+         "allocator already holds from earlier work is reused without raising it, so the increase can "
+         "stay below the formula. On GPU it is torch.cuda.max_memory_allocated."),
         ("What fits: longest context (1 sequence) and concurrent sequences, by budget", fit_tables(rows), None,
-         "Predicted: weights + KV cache + activation workspace (16-bit activations; see results.json)."),
+         fit_note),
         ("lm-eval", lm if lm[1] else None, None, "" if lm[1] else "No lm-eval tasks were run."),
         ("Per-layer error", None, layers,
          "" if layers else "No step recorded per-layer errors (RTN does not; GPTQ-like steps do)."),

@@ -40,7 +40,7 @@ def _speed(section: Optional[dict], who: str) -> dict:
     first, last = rows[batches[0]], rows[batches[-1]]
     out = {k: first.get(k) for k in ("prefill_tok_s", "ttft_s", "tpot_s", "decode_tok_s", "achieved_gbs",
                                      "roofline_decode_tok_s")}
-    out["speed_batch"] = int(batches[0])
+    out["speed_batch"], out["bandwidth_gbs"] = int(batches[0]), section.get("bandwidth_gbs")
     if len(batches) > 1:
         out.update(big_batch=int(batches[-1]), big_batch_decode_tok_s=last.get("decode_tok_s"))
     return out
@@ -52,6 +52,8 @@ def _row(label, kind, model, ppl, base_ppl, quality, memory, speed, extra=None) 
            "ppl_increase_pct": 100 * (ppl / base_ppl - 1) if ppl and base_ppl else None,
            "kl_mean": kl.get("kl_mean"), "kl_p99": kl.get("kl_p99"), "top1_agreement": kl.get("top1_agreement"),
            "weight_bytes": _get(memory, "weight_bytes"), "predicted_total": _get(memory, "predicted", "total"),
+           "predicted": _get(memory, "predicted") or {}, "measured_peak": _get(memory, "measured_peak") or {},
+           "model_max_context": _get(memory, "model_max_context"),
            "fit": _get(memory, "fit") or [], "lm_eval": _get(quality, "lm_eval") or {}, **speed}
     return {**row, **(extra or {})}
 
@@ -69,7 +71,7 @@ def rows_for(runs: list[dict], labels: Optional[list[str]] = None) -> tuple[list
         if base_ppl and ("baseline", model) not in seen:
             seen.add(("baseline", model))
             base_mem = {"weight_bytes": m.get("baseline_weight_bytes"), "predicted": m.get("baseline_predicted"),
-                        "fit": m.get("baseline_fit")}
+                        "fit": m.get("baseline_fit"), "model_max_context": m.get("model_max_context")}
             base_q = {"kl": {"kl_mean": 0.0, "kl_p99": 0.0, "top1_agreement": 1.0} if "kl" in q else None,
                       "lm_eval": q.get("baseline_lm_eval")}
             rows.append(_row("unquantized (16-bit)", "baseline", model, base_ppl, base_ppl, base_q, base_mem,

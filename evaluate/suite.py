@@ -100,6 +100,7 @@ def memory_section(model, weight_bytes: int, cfg: MemoryConfig, kv_bytes: float)
     out = {
         "predicted": predicted_total(weight_bytes, shape, m.batch, m.context, kv_bytes, m.act_bytes),
         "fit": fit_table(weight_bytes, shape, m.budgets_gb, m.fit_context, kv_bytes, m.act_bytes),
+        "model_max_context": getattr(model.config.get_text_config(), "max_position_embeddings", None),
     }
     if m.measure_peak:
         out["measured_peak"] = measured_prefill_peak(model, shape, m)
