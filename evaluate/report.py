@@ -30,6 +30,10 @@ def summary_table(rows) -> tuple[list[str], list[list[str]]]:
              _fmt(r.get("tpot_s") and 1000 * r["tpot_s"], ".1f"),
              _fmt(r.get("big_batch_decode_tok_s"), ".2f") + (f" (b{r['big_batch']})" if r.get("big_batch") else ""),
              _fmt(r.get("achieved_gbs"), ".2f"), _fmt(r.get("roofline_decode_tok_s"), ".1f")] for r in rows]
+    if any(r.get("gpu_decode_tok_s") for r in rows):
+        head.append("GPU decode tok/s (b1)")
+        for line, r in zip(body, rows):
+            line.append(_fmt(r.get("gpu_decode_tok_s"), ".1f"))
     return head, body
 
 

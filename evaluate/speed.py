@@ -108,3 +108,21 @@ def compare_speed(models: dict, cfg: SpeedConfig) -> dict:
     for name, model in models.items():
         out[name] = {str(b): speed_at_batch(model, cfg, b, bandwidth) for b in cfg.batch_sizes}
     return out
+
+
+def speed_on_devices(models: dict, cfg: SpeedConfig) -> dict:
+    """CPU figures always (the models as loaded); with a GPU present, the same measured on it
+    under "cuda" (models moved there and back), or why that failed."""
+    out = compare_speed(models, cfg)
+    if not torch.cuda.is_available():
+        return out
+    home = {name: next(m.parameters()).device for name, m in models.items()}
+    try:
+        out["cuda"] = compare_speed({name: m.to("cuda") for name, m in models.items()}, cfg)
+    except (RuntimeError, NotImplementedError) as err:  # e.g. out of memory, a CPU-only kernel
+        out["cuda"] = {"unavailable": f"{type(err).__name__}: {err}"}
+    finally:
+        for name, m in models.items():
+            m.to(home[name])
+        torch.cuda.empty_cache()
+    return out

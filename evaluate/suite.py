@@ -46,10 +46,10 @@ def evaluate_extras(model, tokenizer, cfg: EvaluateConfig, *, model_name: str, w
         memory.update(baseline_predicted=base["predicted"], baseline_fit=base["fit"])
     out = {"quality": quality_extras(model, tokenizer, cfg, reference, model_name), "memory": memory}
     if cfg.speed.enabled:
-        from .speed import compare_speed
+        from .speed import speed_on_devices
 
         models = {"model": model, **({"baseline": reference.get()} if reference.available else {})}
-        out["speed"] = compare_speed(models, cfg.speed)
+        out["speed"] = speed_on_devices(models, cfg.speed)
     if cfg.bnb_baselines:
         out["baselines"] = {f"bnb-{mode}": bnb_row(model_name, mode, tokenizer, cfg, reference, kv_bytes)
                             for mode in cfg.bnb_baselines}
@@ -87,7 +87,7 @@ def bnb_row(model_name: str, mode: str, tokenizer, cfg: EvaluateConfig, referenc
         if cfg.speed.enabled:
             from .speed import compare_speed
 
-            row["speed"] = compare_speed({"model": model}, cfg.speed)
+            row["speed"] = compare_speed({"model": model}, cfg.speed)  # bnb models stay where loaded
         return row
     except Exception as err:  # any failure of bitsandbytes here is a finding to report, not to hide
         return {"unavailable": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
@@ -134,14 +134,16 @@ def measured_prefill_peak(model, shape: ModelShape, cfg: MemoryConfig) -> dict:
 
 
 def kv_bytes_for(cfg: MemoryConfig, steps: list[dict]) -> float:
-    """Bytes per cached K/V element: the recipe's explicit value, else a KV-cache quantization
-    step's bits (any step whose name starts with 'kv' and records 'bits' or 'kv_bits'), else 16-bit."""
+    """Bytes per cached K/V element: the recipe's explicit value, else what a KV-cache step
+    recorded ('kv_bits' / 'kv_cache_bits' in any step, or 'bits' of a step named *kv*; a kv step
+    that says nothing is taken as FP8), else 16-bit."""
     if cfg.kv_bytes is not None:
         return cfg.kv_bytes
     for step in steps:
-        if str(step.get("name", "")).startswith("kv"):
-            bits = step.get("kv_bits", step.get("bits"))
-            if isinstance(bits, (int, float)) and bits > 0:
-                return bits / 8
-            return 1.0  # FP8 KV cache, the common case, when the step does not say
+        named_kv = "kv" in str(step.get("name", ""))
+        bits = step.get("kv_bits", step.get("kv_cache_bits", step.get("bits") if named_kv else None))
+        if isinstance(bits, (int, float)) and not isinstance(bits, bool) and bits > 0:
+            return bits / 8
+        if named_kv:
+            return 1.0
     return 2.0

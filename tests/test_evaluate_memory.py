@@ -78,3 +78,13 @@ def test_measured_peak_sees_a_large_allocation():
     assert result == 1.0
     assert peak["increase_bytes"] >= 0.9 * size
     assert peak["peak_bytes"] >= peak["before_bytes"]
+
+
+def test_kv_bytes_follow_a_kv_step_or_the_config():
+    from lowbit.evaluate.config import MemoryConfig
+    from lowbit.evaluate.suite import kv_bytes_for
+
+    assert kv_bytes_for(MemoryConfig(), [{"name": "rtn", "bits": 4}]) == 2.0  # weight bits are not KV bits
+    assert kv_bytes_for(MemoryConfig(), [{"name": "kv_cache", "bits": 8}]) == 1.0
+    assert kv_bytes_for(MemoryConfig(), [{"name": "fp8", "kv_bits": 4}]) == 0.5
+    assert kv_bytes_for(MemoryConfig(kv_bytes=4.0), [{"name": "kv_cache"}]) == 4.0

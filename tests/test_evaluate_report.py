@@ -83,3 +83,10 @@ def test_report_without_speed_or_layers_says_so(tmp_path):
 def test_load_runs_names_a_folder_without_results(tmp_path):
     with pytest.raises(FileNotFoundError, match="no results.json"):
         load_runs([tmp_path])
+
+
+def test_gpu_speed_gets_its_own_column(tmp_path):
+    r = _results("w8", 10.1, 2**20, 4.0)
+    r["speed"]["cuda"] = {"model": {"1": {"decode_tok_s": 321.0}}}
+    page = write_report([r], tmp_path / "report.html").read_text()
+    assert "GPU decode tok/s (b1)" in page and "321.0" in page
