@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -21,7 +22,7 @@ from lowbit.calibrate.corpora import corpus_text, review_sentences
 
 from .config import LMEvalConfig
 
-TASKS_VERSION = 1  # bump when a local task's data or prompt changes
+TASKS_VERSION = 2  # bump when a local task's data or prompt changes
 MAX_CLOZE_DOCS = 2000
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
@@ -51,8 +52,9 @@ def sentiment_docs(pairs: list[tuple[str, str]]) -> list[dict]:
 def _cloze_yaml(data: Path) -> dict:
     return {"task": "lowbit_wiki_cloze", "dataset_path": "json",
             "dataset_kwargs": {"data_files": {"test": str(data)}}, "test_split": "test",
-            "output_type": "loglikelihood", "doc_to_text": "{{context}}", "doc_to_target": "{{target}}",
-            "target_delimiter": " ",
+            "output_type": "loglikelihood", "doc_to_text": "{{context}}",
+            # loglikelihood tasks do not apply target_delimiter: the space goes into the target
+            "doc_to_target": "{{' ' + target}}",
             "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
                             {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False}],
             "metadata": {"version": TASKS_VERSION}}
@@ -90,6 +92,13 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_suffix(".partial")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
+
+
+@dataclass(frozen=True)
+class LMEvalKey:
+    """What a cached lm-eval figure depends on: the options and the local tasks' version."""
+    cfg: LMEvalConfig
+    tasks_version: int = TASKS_VERSION
 
 
 def run_lm_eval(model, tokenizer, cfg: LMEvalConfig) -> dict:

@@ -62,12 +62,12 @@ def quality_extras(model, tokenizer, cfg: EvaluateConfig, reference: LazyModel, 
     if cfg.kl.enabled and reference.available:
         out["kl"] = kl_divergence(reference.get(), model, tokenizer, cfg.perplexity, cfg.kl)
     if cfg.lm_eval.tasks:
-        from .lm_tasks import run_lm_eval
+        from .lm_tasks import LMEvalKey, run_lm_eval
 
         out["lm_eval"] = run_lm_eval(model, tokenizer, cfg.lm_eval)
         if reference.available and cfg.baseline:
             out["baseline_lm_eval"] = cached_baseline(
-                model_name, cfg.lm_eval, lambda: run_lm_eval(reference.get(), tokenizer, cfg.lm_eval))
+                model_name, LMEvalKey(cfg=cfg.lm_eval), lambda: run_lm_eval(reference.get(), tokenizer, cfg.lm_eval))
             out["baseline_lm_eval"].pop("cached", None)
     return out
 

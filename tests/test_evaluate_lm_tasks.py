@@ -33,6 +33,20 @@ def test_local_task_files_are_written_once(tmp_path, monkeypatch):
     assert (folder / "lowbit_wiki_cloze.yaml").stat().st_mtime_ns == stamp
 
 
+def test_local_tasks_build_the_intended_requests():
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    manager = TaskManager(include_path=str(local_task_dir()), include_defaults=False)
+    tasks = get_task_dict(list(LOCAL_TASKS), manager)
+    requests = {}
+    for name, task in tasks.items():
+        task.build_all_requests(limit=1, rank=0, world_size=1)
+        requests[name] = [inst.args for inst in task.instances]
+    (ctx, word), = requests["lowbit_wiki_cloze"]
+    assert word.startswith(" ") and not ctx.endswith(" ") and word.strip().isalpha()
+    assert [cont for _, cont in requests["lowbit_reviews_sentiment"]] == [" negative", " positive"]
+
+
 @pytest.fixture(scope="module")
 def tiny_smollm_vocab():
     """A tiny random llama sharing smollm2's tokenizer (vocabulary 49152)."""
