@@ -109,16 +109,20 @@ def run_lm_eval(model, tokenizer, cfg: LMEvalConfig) -> dict:
 
     only_local = all(t in LOCAL_TASKS for t in cfg.tasks)  # indexing lm-eval's own tasks takes ~10 s
     manager = TaskManager(include_path=str(local_task_dir()), include_defaults=not only_local)
-    unknown = [t for t in cfg.tasks if t not in manager.all_tasks]
-    if unknown:
-        raise ValueError(f"evaluate.lm_eval.tasks: unknown lm-eval task(s) {unknown}; local tasks: "
-                         f"{sorted(LOCAL_TASKS)}, or any name from `lm_eval --tasks list`")
+    check_tasks(cfg.tasks, manager.all_tasks)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size,
               device=str(next(model.parameters()).device))
     out = simple_evaluate(model=lm, tasks=list(cfg.tasks), task_manager=manager, limit=cfg.limit,
                           num_fewshot=cfg.num_fewshot, log_samples=False, bootstrap_iters=0)
     return {task: _metrics(values, out.get("n-samples", {}).get(task))
             for task, values in out["results"].items()}
+
+
+def check_tasks(tasks, known) -> None:
+    unknown = [t for t in tasks if t not in known]
+    if unknown:
+        raise ValueError(f"evaluate.lm_eval.tasks: unknown lm-eval task(s) {unknown}; local tasks: "
+                         f"{sorted(LOCAL_TASKS)}, or any name from `lm_eval --tasks list`")
 
 
 def _metrics(values: dict, samples) -> dict:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lowbit.evaluate.config import LMEvalConfig
-from lowbit.evaluate.lm_tasks import LOCAL_TASKS, cloze_docs, local_task_dir, run_lm_eval, sentiment_docs
+from lowbit.evaluate.lm_tasks import LOCAL_TASKS, check_tasks, cloze_docs, local_task_dir, run_lm_eval, sentiment_docs
 
 
 def test_cloze_docs_split_off_the_last_word():
@@ -73,7 +73,10 @@ def test_lm_eval_runs_local_tasks_on_in_memory_model(tiny_smollm_vocab):
     assert scores["lowbit_wiki_cloze"]["perplexity"] > 10
 
 
-def test_unknown_task_names_the_valid_ones(tiny_smollm_vocab):
-    model, tokenizer = tiny_smollm_vocab
+def test_unknown_task_names_the_valid_ones():
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(local_task_dir()), include_defaults=False)
+    check_tasks(list(LOCAL_TASKS), manager.all_tasks)
     with pytest.raises(ValueError, match="lowbit_wiki_cloze"):
-        run_lm_eval(model, tokenizer, LMEvalConfig(tasks=("no_such_task_xyz",)))  # indexes lm-eval's tasks
+        check_tasks(["no_such_task_xyz"], manager.all_tasks)
