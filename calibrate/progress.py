@@ -13,6 +13,11 @@ class Progress:
         self.stream = stream or sys.stderr
         self.every_s = every_s  # print at most this often, and always the last item
 
+    def advance(self, items: int, note: str = "") -> None:
+        """Record several items done at once (a batch of windows)."""
+        self.done += items - 1
+        self.step(note)
+
     def step(self, note: str = "") -> None:
         self.done += 1
         now = time.perf_counter()

@@ -1,7 +1,12 @@
-"""Evaluation options and the pinned perplexity protocol."""
+"""Evaluation options and the pinned perplexity protocol.
+
+Defaults keep a CPU run quick: KL on the first 4096 evaluation tokens, speed, lm-eval and the
+bitsandbytes baselines off until a recipe (or `--set evaluate.speed.enabled=true`) asks for them.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, Optional
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,66 @@ class PerplexityProtocol:
 
 
 @dataclass(frozen=True)
+class KLConfig:
+    """KL(baseline || quantized) of next-token distributions, on the perplexity windows."""
+
+    enabled: bool = True
+    max_tokens: int = 4096  # first tokens of the perplexity text (two forward passes each)
+
+    def __post_init__(self):
+        if self.max_tokens < 2:
+            raise ValueError(f"kl.max_tokens must be at least 2, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class SpeedConfig:
+    """Prefill / decode timings; greedy decoding from a prompt cut from the evaluation text."""
+
+    enabled: bool = False
+    prompt_len: int = 128
+    new_tokens: int = 32
+    batch_sizes: tuple[int, ...] = (1, 4)
+    warmup: int = 1  # discarded runs (allocator, kernel selection)
+    repeats: int = 3  # timed runs; medians are reported
+
+    def __post_init__(self):
+        if self.prompt_len < 1 or self.new_tokens < 2 or self.repeats < 1 or self.warmup < 0:
+            raise ValueError("speed needs prompt_len >= 1, new_tokens >= 2, repeats >= 1, warmup >= 0")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"speed.batch_sizes must be positive integers, got {list(self.batch_sizes)}")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Predicted footprint (weights + KV cache + activations) and the budget fit table."""
+
+    batch: int = 1  # for the predicted total
+    context: int = 2048  # tokens per sequence for the predicted total
+    kv_bytes: Optional[float] = None  # bytes per cached K/V element; None: 2 (16-bit), or a kv step's
+    act_bytes: float = 2.0  # bytes per activation element at inference (16-bit)
+    budgets_gb: tuple[float, ...] = (8.0, 24.0, 80.0)
+    fit_context: int = 4096  # context at which the fit table counts concurrent sequences
+    measure_peak: bool = True  # measured peak during one prefill of batch x min(context, 512)
+
+
+@dataclass(frozen=True)
+class LMEvalConfig:
+    """lm-eval tasks on the in-memory model: lowbit_wiki_cloze, lowbit_reviews_sentiment or any
+    lm-eval task whose data is reachable."""
+
+    tasks: tuple[str, ...] = ()
+    limit: Optional[int] = 200  # examples per task; None: all
+    batch_size: int = 8
+    num_fewshot: Optional[int] = None
+
+
+@dataclass(frozen=True)
 class EvaluateConfig:
     perplexity: PerplexityProtocol = field(default_factory=PerplexityProtocol)
     baseline: bool = True  # also measure the unquantized model (cached per model and protocol)
+    kl: KLConfig = field(default_factory=KLConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    lm_eval: LMEvalConfig = field(default_factory=LMEvalConfig)
+    # load-time bitsandbytes quantization of the same model, measured with the same protocol
+    bnb_baselines: tuple[Literal["nf4", "llm_int8"], ...] = ()

@@ -45,16 +45,10 @@ def windows(n_tokens: int, protocol: PerplexityProtocol) -> list[tuple[int, int,
     return spans
 
 
-@torch.no_grad()
-def perplexity(model, tokenizer, protocol: PerplexityProtocol) -> dict:
-    ids = eval_tokens(tokenizer, protocol)
-    prefix = [bos_id(tokenizer)] if protocol.bos else []
-    device = next(model.parameters()).device
-    nll, count = 0.0, 0
-    spans = windows(len(ids), protocol)
-    progress = Progress("perplexity", len(spans), "windows")
+def window_batches(ids: torch.Tensor, prefix: list[int], spans: list[tuple[int, int, int]]):
+    """(inputs, attention_mask, labels) per batch of windows; labels are -100 where not scored."""
     for i in range(0, len(spans), WINDOWS_PER_BATCH):
-        batch = [s for s in spans[i : i + WINDOWS_PER_BATCH]]
+        batch = spans[i : i + WINDOWS_PER_BATCH]
         width = max(e - b for b, e, _ in batch) + len(prefix)
         inputs = torch.zeros(len(batch), width, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
@@ -64,14 +58,25 @@ def perplexity(model, tokenizer, protocol: PerplexityProtocol) -> dict:
             inputs[row, : len(seq)], mask[row, : len(seq)] = seq, 1
             scored = slice(len(prefix) + first - b, len(seq))
             labels[row, scored] = seq[scored]
+        yield inputs, mask, labels
+
+
+@torch.no_grad()
+def perplexity(model, tokenizer, protocol: PerplexityProtocol) -> dict:
+    ids = eval_tokens(tokenizer, protocol)
+    prefix = [bos_id(tokenizer)] if protocol.bos else []
+    device = next(model.parameters()).device
+    nll, count = 0.0, 0
+    spans = windows(len(ids), protocol)
+    progress = Progress("perplexity", len(spans), "windows")
+    for inputs, mask, labels in window_batches(ids, prefix, spans):
         logits = model(input_ids=inputs.to(device), attention_mask=mask.to(device)).logits.float()
         target = labels[:, 1:].to(device)
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1),
                                ignore_index=-100, reduction="sum")
         nll += loss.item()
         count += int((target != -100).sum())
-        for _ in batch:
-            progress.step()
+        progress.advance(len(inputs))
     return {
         "perplexity": math.exp(nll / count),
         "nll_per_token": nll / count,

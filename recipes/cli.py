@@ -46,7 +46,32 @@ def _parser() -> argparse.ArgumentParser:
     models.set_defaults(handler=_cmd_models)
     recipes = sub.add_parser("recipes", help="list shipped recipes")
     recipes.set_defaults(handler=_cmd_recipes)
+    _add_eval_commands(sub)
     return p
+
+
+def _add_eval_commands(sub) -> None:
+    from .commands import cmd_eval, cmd_report, cmd_sweep
+
+    ev = sub.add_parser("eval", help="evaluate a built-in model, HF folder or lowbit checkpoint")
+    ev.add_argument("target", metavar="MODEL_OR_CHECKPOINT")
+    ev.add_argument("--baseline", help="unquantized model to compare with (default: the checkpoint's recipe model)")
+    ev.add_argument("--output", help="folder for results.json and the report (default runs/eval-<name>)")
+    ev.add_argument("--set", action="append", default=[], metavar="evaluate.KEY=VALUE",
+                    help="override an evaluate option, e.g. --set evaluate.speed.enabled=true")
+    ev.set_defaults(handler=cmd_eval)
+    rep = sub.add_parser("report", help="compare runs: write report.html and report.md")
+    rep.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    rep.add_argument("-o", "--output", default="report.html")
+    rep.set_defaults(handler=cmd_report)
+    sw = sub.add_parser("sweep", help="run several recipes on one model and write one comparison report")
+    sw.add_argument("recipes", nargs="+", metavar="RECIPE")
+    sw.add_argument("--model", required=True)
+    sw.add_argument("--output", help="folder for the runs and report.html (default runs/sweep-<model>)")
+    sw.add_argument("--overwrite", action="store_true", help="replace existing run folders")
+    sw.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                    help="override a value in every recipe, e.g. --set evaluate.speed.enabled=true")
+    sw.set_defaults(handler=cmd_sweep)
 
 
 def _cmd_run(args) -> int:

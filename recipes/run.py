@@ -17,6 +17,8 @@ from lowbit.calibrate.models import load_model
 from lowbit.evaluate.baseline import cached_baseline
 from lowbit.evaluate.memory import checkpoint_weight_bytes, model_weight_bytes
 from lowbit.evaluate.perplexity import perplexity
+from lowbit.evaluate.report import write_report
+from lowbit.evaluate.suite import LazyModel, evaluate_extras
 from lowbit.export import checkpoint
 from lowbit.export.model_card import write_model_card
 from lowbit.quantize.step import StepContext
@@ -74,6 +76,11 @@ def run(recipe: Recipe, output: str | Path) -> dict:
     with timed("evaluate_s"):
         reloaded, _ = checkpoint.load(output, trust_remote_code=recipe.trust_remote_code)
         quality = perplexity(reloaded, tokenizer, protocol)
+        weight_bytes = checkpoint_weight_bytes(output)
+        reference = LazyModel(lambda: load_model(recipe.model, trust_remote_code=recipe.trust_remote_code)[0])
+        extras = evaluate_extras(reloaded, tokenizer, recipe.evaluate, model_name=recipe.model,
+                                 weight_bytes=weight_bytes, baseline_weight_bytes=baseline_bytes,
+                                 reference=reference, steps=steps)
     results = {
         "lowbit_version": version("lowbit"),
         "model": info,
@@ -83,14 +90,17 @@ def run(recipe: Recipe, output: str | Path) -> dict:
             "baseline_perplexity": baseline["perplexity"] if baseline else None,
             "dataset": protocol.dataset,
             "protocol": {**recipe.to_dict()["evaluate"]["perplexity"], **_protocol_facts(quality)},
+            **extras.pop("quality"),
         },
-        "memory": {"weight_bytes": checkpoint_weight_bytes(output), "baseline_weight_bytes": baseline_bytes},
+        "memory": {"weight_bytes": weight_bytes, "baseline_weight_bytes": baseline_bytes, **extras.pop("memory")},
         "timing": {k: round(seconds.get(k, 0.0), 3) for k in
                    ("load_s", "calibrate_s", "quantize_s", "export_s", "evaluate_s")},
         "steps": steps,
+        **extras,  # speed, baselines (bitsandbytes), when enabled
     }
     (output / "results.json").write_text(json.dumps(results, indent=2))
-    write_model_card(output, results)  # README.md from the results; refreshes manifest.json
+    write_report([results], output / "report.html", labels=[recipe.name])
+    write_model_card(output, results)  # README.md from the results; refreshes manifest.json last
     return results
 
 

@@ -1,0 +1,64 @@
+"""KL divergence of next-token distributions against the unquantized model, and top-1 agreement.
+
+KL(P_baseline || P_quantized) per scored token, on the same windows as perplexity (the first
+`kl.max_tokens` tokens of its evaluation text); reported as mean and p99 over tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .config import KLConfig, PerplexityProtocol
+from .perplexity import bos_id, eval_tokens, window_batches, windows
+
+
+def token_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(ref) || softmax(logits)) along the last dimension, in nats; shape (...)."""
+    ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0.0)  # clamp: rounding below 0
+
+
+def top1_agree(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """True where both put their highest probability on the same token; shape (...)."""
+    return ref_logits.argmax(-1) == logits.argmax(-1)
+
+
+def summarize(kl: torch.Tensor, agree: torch.Tensor) -> dict:
+    """Mean / p99 / max KL and top-1 agreement over a flat set of tokens."""
+    kl = kl.double().flatten()
+    return {
+        "kl_mean": kl.mean().item(),
+        "kl_p99": torch.quantile(kl, 0.99).item(),
+        "kl_max": kl.max().item(),
+        "top1_agreement": agree.double().mean().item(),
+        "tokens": kl.numel(),
+    }
+
+
+def kl_protocol(protocol: PerplexityProtocol, cfg: KLConfig) -> PerplexityProtocol:
+    """The perplexity protocol cut to the first kl.max_tokens tokens (at least one window)."""
+    tokens = max(min(cfg.max_tokens, protocol.max_tokens), protocol.context_len)
+    return dataclasses.replace(protocol, max_tokens=tokens)
+
+
+@torch.no_grad()
+def kl_divergence(reference, model, tokenizer, protocol: PerplexityProtocol, cfg: KLConfig) -> dict:
+    """Compare `model` with `reference` (the unquantized model) token by token."""
+    protocol = kl_protocol(protocol, cfg)
+    ids = eval_tokens(tokenizer, protocol)
+    prefix = [bos_id(tokenizer)] if protocol.bos else []
+    kls, agrees = [], []
+    for inputs, mask, labels in window_batches(ids, prefix, windows(len(ids), protocol)):
+        scored = labels[:, 1:] != -100  # positions whose next token is scored
+        ref = _logits(reference, inputs, mask)[:, :-1][scored]
+        out = _logits(model, inputs, mask)[:, :-1][scored]
+        kls.append(token_kl(ref, out))
+        agrees.append(top1_agree(ref, out))
+    return {**summarize(torch.cat(kls), torch.cat(agrees)), "max_tokens": protocol.max_tokens}
+
+
+def _logits(model, inputs, mask) -> torch.Tensor:
+    device = next(model.parameters()).device
+    return model(input_ids=inputs.to(device), attention_mask=mask.to(device)).logits.float().cpu()

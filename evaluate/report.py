@@ -1,0 +1,158 @@
+"""report.md and a self-contained report.html (plots embedded as base64 PNG) comparing runs."""
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+from typing import Optional
+
+from .plots import layer_error_plot, tradeoff_plot
+from .report_data import rows_for
+
+MIB = 2**20
+
+
+def _fmt(v, spec=".3g", none="–") -> str:
+    if v is None:
+        return none
+    return format(v, spec) if isinstance(v, (int, float)) else str(v)
+
+
+def summary_table(rows) -> tuple[list[str], list[list[str]]]:
+    head = ["scheme", "kind", "perplexity", "ppl +%", "KL mean", "KL p99", "top-1 agree", "weights MiB",
+            "predicted total MiB", "decode tok/s (b1)", "prefill tok/s (b1)", "TTFT s", "TPOT ms",
+            "decode tok/s (big batch)", "achieved GB/s", "roofline tok/s"]
+    body = [[r["label"], r["kind"], _fmt(r["perplexity"], ".4f"), _fmt(r["ppl_increase_pct"], "+.2f"),
+             _fmt(r["kl_mean"], ".4f"), _fmt(r["kl_p99"], ".4f"), _fmt(r["top1_agreement"], ".4f"),
+             _fmt(r["weight_bytes"] and r["weight_bytes"] / MIB, ".1f"),
+             _fmt(r["predicted_total"] and r["predicted_total"] / MIB, ".1f"),
+             _fmt(r.get("decode_tok_s"), ".2f"), _fmt(r.get("prefill_tok_s"), ".1f"), _fmt(r.get("ttft_s"), ".3f"),
+             _fmt(r.get("tpot_s") and 1000 * r["tpot_s"], ".1f"),
+             _fmt(r.get("big_batch_decode_tok_s"), ".2f") + (f" (b{r['big_batch']})" if r.get("big_batch") else ""),
+             _fmt(r.get("achieved_gbs"), ".2f"), _fmt(r.get("roofline_decode_tok_s"), ".1f")] for r in rows]
+    if any(r.get("gpu_decode_tok_s") for r in rows):
+        head.append("GPU decode tok/s (b1)")
+        for line, r in zip(body, rows):
+            line.append(_fmt(r.get("gpu_decode_tok_s"), ".1f"))
+    return head, body
+
+
+def fit_tables(rows) -> tuple[list[str], list[list[str]]]:
+    budgets = sorted({f["budget_gib"] for r in rows for f in r["fit"]})
+    ctx = next((f["at_context"] for r in rows for f in r["fit"]), None)
+    head = ["scheme"] + [f"{b:g} GiB: max context" for b in budgets] + [f"{b:g} GiB: seqs @ {ctx}" for b in budgets]
+    body = []
+    for r in rows:
+        by = {f["budget_gib"]: f for f in r["fit"]}
+        if by:
+            body.append([r["label"]] + [_fmt(by.get(b, {}).get("max_context"), ",") for b in budgets]
+                        + [_fmt(by.get(b, {}).get("max_sequences"), ",") for b in budgets])
+    return head, body
+
+
+def memory_table(rows) -> tuple[list[str], list[list[str]]]:
+    head = ["scheme", "weights MiB", "batch x context", "KV cache MiB", "activations MiB", "predicted total MiB",
+            "measured: prefill batch x context", "measured peak RSS MiB", "measured increase MiB",
+            "formula KV+act at measured size MiB"]
+    body = []
+    for r in rows:
+        p, m = r["predicted"], r["measured_peak"]
+        if not p:
+            continue
+        mib = lambda v: _fmt(v and v / MIB, ".1f")  # noqa: E731
+        body.append([r["label"], mib(r["weight_bytes"]), f"{p['batch']} x {p['context']}", mib(p["kv_cache"]),
+                     mib(p["activations"]), mib(p["total"]),
+                     f"{m['batch']} x {m['context']} ({m['dtype']})" if m else "–", mib(m.get("peak_bytes")),
+                     mib(m.get("increase_bytes")), mib(m.get("predicted_kv_plus_activations"))])
+    return head, body
+
+
+def lm_eval_table(rows) -> tuple[list[str], list[list[str]]]:
+    cols = sorted({(t, m) for r in rows for t, ms in r["lm_eval"].items() for m in ms if m != "samples"})
+    head = ["scheme"] + [f"{t} {m}" for t, m in cols]
+    body = [[r["label"]] + [_fmt(r["lm_eval"].get(t, {}).get(m), ".4f") for t, m in cols] for r in rows if r["lm_eval"]]
+    return head, body
+
+
+def _md_table(head, body) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
+
+
+def _html_table(head, body) -> str:
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    trs = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body)
+    return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
+
+
+def build_sections(rows, notes) -> list[tuple[str, tuple | None, bytes | None, str]]:
+    """(title, table, png, note) in report order."""
+    speed = tradeoff_plot(rows, "decode_tok_s", "decode tokens/s at batch 1", higher_x_better=True)
+    mem = tradeoff_plot(rows, "weight_bytes", "weight memory (MiB)", higher_x_better=False, x_scale=1 / MIB)
+    layers = layer_error_plot(rows)
+    lm = lm_eval_table(rows)
+    bw = sorted({f"{r['bandwidth_gbs']:.1f}" for r in rows if r.get("bandwidth_gbs")})
+    speed_note = (f"Read bandwidth measured in the same run: {', '.join(bw)} GB/s; roofline tok/s = batch x "
+                  "bandwidth / bytes read per decode step (weights + KV). Wall-clock medians; noisy on a "
+                  "shared machine.") if bw else ""
+    max_ctx = next((r["model_max_context"] for r in rows if r.get("model_max_context")), None)
+    fit_note = ("Predicted: weights + KV cache + activation workspace (16-bit activations; see results.json)."
+                + (f" The model was trained for {max_ctx:,} tokens: longer contexts fit in memory only." if max_ctx else ""))
+    return [
+        ("Summary", summary_table(rows), None, "\n".join(notes)),
+        ("Quality loss vs decode speed", None, speed,
+         speed_note if speed else "No speed figures: enable evaluate.speed (e.g. --set evaluate.speed.enabled=true)."),
+        ("Quality loss vs weight memory", None, mem, "" if mem else "No memory figures recorded."),
+        ("Memory: predicted and measured", memory_table(rows), None,
+         "Measured on CPU is the process's resident-set high-water mark during one prefill; memory the "
+         "allocator already holds from earlier work is reused without raising it, so the increase can "
+         "stay below the formula. On GPU it is torch.cuda.max_memory_allocated."),
+        ("What fits: longest context (1 sequence) and concurrent sequences, by budget", fit_tables(rows), None,
+         fit_note),
+        ("lm-eval", lm if lm[1] else None, None, "" if lm[1] else "No lm-eval tasks were run."),
+        ("Per-layer error", None, layers,
+         "" if layers else "No step recorded per-layer errors (RTN does not; GPTQ-like steps do)."),
+    ]
+
+
+def render_markdown(sections) -> str:
+    parts = ["# lowbit report", "", "Timings are wall-clock on the machine named in results.json.", ""]
+    for title, table, png, note in sections:
+        parts += [f"## {title}", ""]
+        if table:
+            parts += [_md_table(*table), ""]
+        if png:
+            parts += ["(plot in report.html)", ""]
+        if note:
+            parts += [note, ""]
+    return "\n".join(parts)
+
+
+STYLE = ("body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;"
+         "font-size:13px}td,th{border:1px solid #bbb;padding:3px 7px;text-align:right}"
+         "td:first-child,th:first-child{text-align:left}th{background:#eee}img{max-width:100%}")
+
+
+def render_html(sections) -> str:
+    body = ["<h1>lowbit report</h1>"]
+    for title, table, png, note in sections:
+        body.append(f"<h2>{html.escape(title)}</h2>")
+        if table:
+            body.append(_html_table(*table))
+        if png:
+            body.append(f'<img alt="{html.escape(title)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">')
+        if note:
+            body.append("".join(f"<p>{html.escape(line)}</p>" for line in note.splitlines()))
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>lowbit report</title>"
+            f"<style>{STYLE}</style></head><body>{''.join(body)}</body></html>")
+
+
+def write_report(runs: list[dict], html_path: str | Path, labels: Optional[list[str]] = None) -> Path:
+    """Write html_path and the markdown twin beside it (report.html -> report.md)."""
+    html_path = Path(html_path)
+    rows, notes = rows_for(runs, labels)
+    sections = build_sections(rows, notes)
+    html_path.parent.mkdir(parents=True, exist_ok=True)
+    html_path.write_text(render_html(sections), encoding="utf-8")
+    html_path.with_suffix(".md").write_text(render_markdown(sections), encoding="utf-8")
+    return html_path

@@ -1,0 +1,128 @@
+"""Decode speed: prefill tokens/s, time to first token, time per output token, decode tokens/s,
+and achieved bandwidth beside the roofline bound (bandwidth measured in the same run).
+
+Greedy decoding with a DynamicCache from seeded random prompts (content does not change the
+work done); `warmup` discarded runs, then medians over `repeats` timed runs.
+"""
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+
+import torch
+
+from .config import SpeedConfig
+from .memory import ModelShape, kv_cache_bytes, resident_tensor_bytes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _forward_kwargs(model) -> tuple[str, bool]:
+    """transformers 5 renamed past_key_values to cache; older/remote models keep the old name."""
+    params = inspect.signature(model.forward).parameters
+    return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
+
+
+@torch.inference_mode()
+def timed_generation(model, prompts: torch.Tensor, new_tokens: int) -> dict:
+    """One greedy generation; seconds for the prefill (incl. first token) and each later step."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache_kw, keep = _forward_kwargs(model)
+    extra = {"logits_to_keep": 1} if keep else {}
+    cache = DynamicCache(config=model.config)
+    prompts = prompts.to(device)
+    _sync(device)
+    start = time.perf_counter()
+    out = model(input_ids=prompts, use_cache=True, **{cache_kw: cache}, **extra)
+    token = out.logits[:, -1:].argmax(-1)
+    _sync(device)
+    prefill = time.perf_counter() - start
+    steps = []
+    for _ in range(new_tokens - 1):
+        start = time.perf_counter()
+        out = model(input_ids=token, use_cache=True, **{cache_kw: cache}, **extra)
+        token = out.logits[:, -1:].argmax(-1)
+        _sync(device)
+        steps.append(time.perf_counter() - start)
+    return {"prefill_s": prefill, "step_s": steps}
+
+
+def measure_bandwidth(device: torch.device, size_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: median time to sum a buffer far larger than the caches."""
+    x = torch.ones(size_bytes // 4, device=device)
+    x.sum()  # warm-up: page the buffer in
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        x.sum()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return size_bytes / statistics.median(times)
+
+
+def decode_step_bytes(model, batch: int, context: int) -> int:
+    """Bytes one decode step must read: every weight (codes, scales, floats; the input embedding
+    only when tied to the output, since a lookup reads one row) plus the KV cache so far."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and getattr(head, "weight", None) is emb.weight
+    weights = resident_tensor_bytes(model, exclude=() if tied else (emb.weight,))
+    kv_elem = next(model.parameters()).element_size()
+    return weights + kv_cache_bytes(ModelShape.from_config(model.config), context, batch, kv_elem)
+
+
+def speed_at_batch(model, cfg: SpeedConfig, batch: int, bandwidth: float, seed: int = 0) -> dict:
+    vocab = model.config.get_text_config().vocab_size
+    prompts = torch.randint(0, vocab, (batch, cfg.prompt_len), generator=torch.Generator().manual_seed(seed))
+    runs = [timed_generation(model, prompts, cfg.new_tokens) for _ in range(cfg.warmup + cfg.repeats)]
+    runs = runs[cfg.warmup:]
+    prefill = statistics.median(r["prefill_s"] for r in runs)
+    tpot = statistics.median(statistics.median(r["step_s"]) for r in runs)
+    step_bytes = decode_step_bytes(model, batch, cfg.prompt_len + cfg.new_tokens // 2)
+    return {
+        "batch": batch,
+        "prefill_tok_s": batch * cfg.prompt_len / prefill,
+        "ttft_s": prefill,
+        "tpot_s": tpot,
+        "decode_tok_s": batch / tpot,
+        "bytes_per_step": step_bytes,
+        "achieved_gbs": step_bytes / tpot / 1e9,
+        "roofline_tpot_s": step_bytes / bandwidth,
+        "roofline_decode_tok_s": batch * bandwidth / step_bytes,
+    }
+
+
+def compare_speed(models: dict, cfg: SpeedConfig) -> dict:
+    """Speed of each named model ({"quantized": m, "baseline": m0}) in this process, same inputs."""
+    device = next(next(iter(models.values())).parameters()).device
+    bandwidth = measure_bandwidth(device)
+    out = {"device": str(device), "threads": torch.get_num_threads(), "bandwidth_gbs": bandwidth / 1e9,
+           "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "warmup": cfg.warmup,
+           "repeats": cfg.repeats}
+    for name, model in models.items():
+        out[name] = {str(b): speed_at_batch(model, cfg, b, bandwidth) for b in cfg.batch_sizes}
+    return out
+
+
+def speed_on_devices(models: dict, cfg: SpeedConfig) -> dict:
+    """CPU figures always (the models as loaded); with a GPU present, the same measured on it
+    under "cuda" (models moved there and back), or why that failed."""
+    out = compare_speed(models, cfg)
+    if not torch.cuda.is_available():
+        return out
+    home = {name: next(m.parameters()).device for name, m in models.items()}
+    try:
+        out["cuda"] = compare_speed({name: m.to("cuda") for name, m in models.items()}, cfg)
+    except (RuntimeError, NotImplementedError) as err:  # e.g. out of memory, a CPU-only kernel
+        out["cuda"] = {"unavailable": f"{type(err).__name__}: {err}"}
+    finally:
+        for name, m in models.items():
+            m.to(home[name])
+        torch.cuda.empty_cache()
+    return out

@@ -1,0 +1,90 @@
+"""Memory formulas against measured tensors: a real DynamicCache, the model's own weights."""
+import pytest
+import torch
+
+from lowbit.evaluate.memory import (GIB, ModelShape, activation_bytes, fit_table, kv_cache_bytes,
+                                    measure_peak, model_weight_bytes, predicted_total,
+                                    resident_tensor_bytes)
+
+
+def _cache_tensors_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@pytest.mark.parametrize("dtype,kv_bytes", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_kv_formula_matches_dynamic_cache(tiny_llama, dtype, kv_bytes):
+    from transformers import DynamicCache
+
+    model = tiny_llama.to(dtype)
+    shape = ModelShape.from_config(model.config)
+    cache = DynamicCache(config=model.config)
+    batch, prompt, steps = 3, 17, 4
+    with torch.no_grad():
+        out = model(torch.randint(3, 500, (batch, prompt)), cache=cache, use_cache=True)
+        for _ in range(steps):  # decode steps append one token each
+            nxt = out.logits[:, -1:].argmax(-1)
+            out = model(nxt, cache=cache, use_cache=True)
+    assert cache.get_seq_length() == prompt + steps
+    assert kv_cache_bytes(shape, prompt + steps, batch, kv_bytes) == _cache_tensors_bytes(cache)
+
+
+def test_model_shape_reads_several_config_spellings(tiny_model):
+    shape = ModelShape.from_config(tiny_model.config)
+    assert shape.layers == 2 and shape.hidden == 128 and shape.vocab == 512
+    assert shape.heads * shape.head_dim >= shape.hidden or shape.head_dim == 32
+
+
+def test_weights_in_prediction_are_the_tensors_bytes(tiny_llama):
+    shape = ModelShape.from_config(tiny_llama.config)
+    weights = model_weight_bytes(tiny_llama)
+    buffers = sum(b.numel() * b.element_size() for b in tiny_llama.buffers())  # rotary inv_freq
+    assert resident_tensor_bytes(tiny_llama) == weights + buffers
+    total = predicted_total(weights, shape, batch=2, context=64, kv_bytes=2, act_bytes=2)
+    assert total["total"] == weights + total["kv_cache"] + total["activations"]
+    # hand-computed: mlp width 2*128 + 3*256 = 1024 > attention width; logits 2 x 512 x 4 bytes
+    assert total["activations"] == 2 * 64 * 1024 * 2 + 2 * 512 * 4
+
+
+def test_fit_table_is_the_largest_that_fits():
+    shape = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152)
+    weights = int(0.1 * GIB)
+    rows = fit_table(weights, shape, (1, 8), fit_context=1024, kv_bytes=2, act_bytes=2)
+
+    def total(b, t):
+        return predicted_total(weights, shape, b, t, 2, 2)["total"]
+
+    for row in rows:
+        budget = row["budget_gib"] * GIB
+        t, b = row["max_context"], row["max_sequences"]
+        assert total(1, t) <= budget < total(1, t + 1)
+        assert total(b, 1024) <= budget < total(b + 1, 1024)
+    assert rows[1]["max_context"] > rows[0]["max_context"]
+
+
+def test_fit_table_reports_zero_when_weights_exceed_budget():
+    shape = ModelShape(2, 64, 128, 4, 2, 16, 100)
+    row, = fit_table(2 * GIB, shape, (1,), fit_context=16, kv_bytes=2, act_bytes=2)
+    assert row["max_context"] == 0 and row["max_sequences"] == 0
+
+
+def test_measured_peak_sees_a_large_allocation():
+    size = 256 * 2**20
+
+    def allocate():
+        t = torch.ones(size // 4)  # float32, touched so the pages are resident
+        return float(t[-1])
+
+    result, peak = measure_peak(allocate, torch.device("cpu"))
+    assert result == 1.0
+    assert peak["increase_bytes"] >= 0.9 * size
+    assert peak["peak_bytes"] >= peak["before_bytes"]
+
+
+def test_kv_bytes_follow_a_kv_step_or_the_config():
+    from lowbit.evaluate.config import MemoryConfig
+    from lowbit.evaluate.suite import kv_bytes_for
+
+    assert kv_bytes_for(MemoryConfig(), [{"name": "rtn", "bits": 4}]) == 2.0  # weight bits are not KV bits
+    assert kv_bytes_for(MemoryConfig(), [{"name": "kv_cache", "bits": 8}]) == 1.0
+    assert kv_bytes_for(MemoryConfig(), [{"name": "fp8", "kv_bits": 4}]) == 0.5
+    assert kv_bytes_for(MemoryConfig(kv_bytes=4.0), [{"name": "kv_cache"}]) == 4.0

@@ -1,0 +1,92 @@
+"""Report generation from synthetic results.json files."""
+import base64
+import json
+import re
+
+import pytest
+
+from lowbit.evaluate.report import write_report
+from lowbit.evaluate.report_data import layer_errors, load_runs, pareto_front, rows_for
+
+
+def _speed(decode):
+    return {"1": {"prefill_tok_s": 10 * decode, "ttft_s": 0.5, "tpot_s": 1 / decode, "decode_tok_s": decode,
+                  "achieved_gbs": 1.0, "roofline_decode_tok_s": 3 * decode},
+            "4": {"decode_tok_s": 3 * decode}}
+
+
+def _results(name, ppl, weights, decode, layers=None, baselines=None):
+    return {
+        "model": {"id": "tiny"}, "recipe": {"name": name},
+        "quality": {"perplexity": ppl, "baseline_perplexity": 10.0,
+                    "kl": {"kl_mean": (ppl - 10) / 100, "kl_p99": (ppl - 10) / 10, "top1_agreement": 0.9}},
+        "memory": {"weight_bytes": weights, "baseline_weight_bytes": 4 * 2**20,
+                   "fit": [{"budget_gib": 8, "max_context": 1000, "max_sequences": 7, "at_context": 512}]},
+        "timing": {}, "steps": [{"name": "gptq", "layers": layers}] if layers else [{"name": "rtn"}],
+        "speed": {"model": _speed(decode), "baseline": _speed(5.0)},
+        **({"baselines": baselines} if baselines else {}),
+    }
+
+
+def test_pareto_front_minimises_both():
+    pts = [(1, 5), (2, 2), (3, 3), (5, 1), (2, 6)]
+    assert pareto_front(pts) == [0, 1, 3]
+
+
+def test_layer_errors_accept_mapping_and_records():
+    steps = [{"name": "gptq", "layers": {"a": 0.1, "b": {"error": 0.2}}},
+             {"name": "awq", "layers": [{"name": "c", "mse": 3}]}, {"name": "rtn"}]
+    assert layer_errors(steps) == {"gptq#0": [("a", 0.1), ("b", 0.2)], "awq#1": [("c", 3.0)]}
+
+
+def test_rows_add_baseline_once_and_report_unavailable_bnb():
+    runs = [_results("w8", 10.1, 2**20, 4.0, baselines={"bnb-nf4": {"unavailable": "RuntimeError: no CPU"}}),
+            _results("w4", 10.8, 2**19, 6.0, baselines={"bnb-nf4": {"unavailable": "RuntimeError: no CPU"}})]
+    rows, notes = rows_for(runs)
+    assert [r["label"] for r in rows] == ["w8", "unquantized (16-bit)", "w4"]
+    assert rows[0]["ppl_increase_pct"] == pytest.approx(1.0)
+    assert rows[1]["decode_tok_s"] == 5.0 and rows[1]["kl_mean"] == 0.0
+    assert notes == ["bnb-nf4 on tiny: unavailable: RuntimeError: no CPU"]
+
+
+def _pngs(page):
+    return [base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([^"]+)"', page)]
+
+
+def test_report_html_is_self_contained_with_plots_and_numbers(tmp_path):
+    dirs = []
+    for i, (name, ppl, w, d) in enumerate([("w8", 10.1, 2**20, 4.0), ("w4", 10.8, 2**19, 6.0)]):
+        folder = tmp_path / name
+        folder.mkdir()
+        layers = {"l0": 0.01, "l1": 0.02} if name == "w4" else None
+        (folder / "results.json").write_text(json.dumps(_results(name, ppl, w, d, layers)))
+        dirs.append(folder)
+    out = write_report(load_runs(dirs), tmp_path / "cmp" / "report.html")
+    page = out.read_text()
+    pngs = _pngs(page)
+    assert len(pngs) == 3 and all(p.startswith(b"\x89PNG") for p in pngs)  # speed, memory, per-layer
+    assert "10.8000" in page and "+8.00" in page
+    assert "http://" not in page and "https://" not in page  # nothing fetched when opened
+    md = (tmp_path / "cmp" / "report.md").read_text()
+    assert "| w4 | lowbit | 10.8000 | +8.00 |" in md
+
+
+def test_report_without_speed_or_layers_says_so(tmp_path):
+    r = _results("w8", 10.1, 2**20, 4.0)
+    del r["speed"]
+    out = write_report([r], tmp_path / "report.html")
+    page = out.read_text()
+    assert len(_pngs(page)) == 1  # memory only
+    assert "enable evaluate.speed" in page and "No step recorded per-layer errors" in page
+
+
+def test_load_runs_names_a_folder_without_results(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no results.json"):
+        load_runs([tmp_path])
+
+
+def test_gpu_speed_gets_its_own_column(tmp_path):
+    r = _results("w8", 10.1, 2**20, 4.0)
+    r["speed"]["cuda"] = {"model": {"1": {"decode_tok_s": 321.0}}}
+    page = write_report([r], tmp_path / "report.html").read_text()
+    assert "GPU decode tok/s (b1)" in page and "321.0" in page

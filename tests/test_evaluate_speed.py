@@ -1,0 +1,29 @@
+"""Speed measurement plumbing on a tiny model (behaviour, not timings)."""
+import torch
+
+from lowbit.evaluate.config import SpeedConfig
+from lowbit.evaluate.memory import ModelShape, kv_cache_bytes, resident_tensor_bytes
+from lowbit.evaluate.speed import compare_speed, decode_step_bytes, timed_generation
+
+
+def test_timed_generation_times_every_step(tiny_llama):
+    run = timed_generation(tiny_llama, torch.randint(3, 500, (2, 9)), new_tokens=5)
+    assert run["prefill_s"] > 0 and len(run["step_s"]) == 4
+
+
+def test_decode_step_bytes_counts_weights_and_kv(tiny_llama):
+    shape = ModelShape.from_config(tiny_llama.config)
+    emb = tiny_llama.get_input_embeddings().weight
+    expected = resident_tensor_bytes(tiny_llama) - emb.numel() * 4 + kv_cache_bytes(shape, 40, 2, 4)
+    assert decode_step_bytes(tiny_llama, batch=2, context=40) == expected
+
+
+def test_compare_speed_reports_each_model_and_batch(tiny_llama):
+    cfg = SpeedConfig(enabled=True, prompt_len=8, new_tokens=3, batch_sizes=(1, 2), warmup=0, repeats=1)
+    out = compare_speed({"model": tiny_llama, "baseline": tiny_llama}, cfg)
+    assert out["bandwidth_gbs"] > 0
+    for name in ("model", "baseline"):
+        assert set(out[name]) == {"1", "2"}
+        row = out[name]["2"]
+        assert row["decode_tok_s"] == 2 / row["tpot_s"]
+        assert abs(row["roofline_decode_tok_s"] * row["roofline_tpot_s"] - 2) < 1e-9
