@@ -1,0 +1,215 @@
+"""The layer-wise walker: run calibration data through a model one decoder layer at a time.
+
+`walk` captures what the model hands its decoder layers, then for each layer in turn lets a
+callback observe (and quantize) it and recomputes the layer's outputs with whatever weights it
+now holds, so later layers calibrate on what they will really see. Only the current layer is
+moved to the compute device; the rest of the model stays where it is.
+
+Capture runs the model once per micro-batch with every decoder layer's `forward` swapped for a
+pass-through and a forward pre-hook recording each layer's keyword arguments (attention mask,
+rotary position embeddings, ...); the last layer's hook raises a private exception, so the final
+norm and the LM head never run. Keyword arguments are kept per layer because some families pass
+layers different ones (Gemma 2/3: sliding-window vs global masks and rotary tables); the tensors
+are shared between layers, so this costs little.
+
+Peak memory, with S samples, L tokens each, hidden size d, intermediate size f, micro-batch m
+and b bytes per activation (4 for float32):
+  hidden states         2·S·L·d·b   (a layer's inputs and its outputs, both held while it runs)
+  one micro-batch       ~m·L·(4d + 3f)·b of activations inside the layer, plus attention scores
+                        m·heads·L²·b when the attention implementation materialises them (eager)
+  per-layer kwargs      small: masks (m·L² booleans, or None when causal and unpadded) and
+                        rotary tables (m·L·head_dim·b), shared by the layers
+  the model itself      as loaded (only the current layer must sit on the compute device)
+smollm2-135m, S=64, L=512, d=576, f=1536, m=8, float32: ~150 MB of hidden states, ~110 MB per
+micro-batch, on top of the 540 MB model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .arch import Arch, decoder_layers
+from .progress import Progress
+
+
+class _StopForward(Exception):
+    """Raised from a hook to end a forward pass once the needed inputs have been recorded."""
+
+
+@dataclass
+class LayerInputs:
+    hidden: list[torch.Tensor]  # one (batch, seq, hidden) tensor per micro-batch
+    kwargs: list[dict]  # per micro-batch: what the model passes the current decoder layer
+    # per micro-batch (batch, seq) bool, True for real tokens; None where nothing is padded
+    token_mask: list[Optional[torch.Tensor]] = field(default_factory=list)
+    # per layer, per micro-batch kwargs (layers of one model may get different masks/rotaries)
+    layer_kwargs: list[list[dict]] = field(default_factory=list)
+
+    def use_layer(self, index: int) -> None:
+        """Point `kwargs` at what the model passes decoder layer `index`."""
+        if self.layer_kwargs:
+            self.kwargs = self.layer_kwargs[index]
+
+
+class WalkResult(list):
+    """walk()'s per-layer results; `.hidden` holds the last layer's outputs per micro-batch."""
+
+    hidden: list[torch.Tensor]
+
+
+def to_device(value, device):
+    """Tensors (also inside tuples, lists and dicts) moved to `device`; anything else as is."""
+    if device is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _input_device(model: nn.Module) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+@torch.no_grad()
+def capture_first_layer_inputs(model, arch: Arch, batches: torch.Tensor, micro_batch: int = 8,
+                               attention_mask: Optional[torch.Tensor] = None,
+                               device=None) -> LayerInputs:
+    """Hidden states entering decoder layer 0 and the kwargs each layer receives, per micro-batch.
+
+    batches: (samples, seq_len) token ids; attention_mask (same shape, 1 = real token) marks padding.
+    """
+    layers = decoder_layers(model, arch)
+    inputs = LayerInputs([], [], [], [[] for _ in layers])
+    records: dict[int, tuple] = {}
+
+    def make_hook(index: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            records[index] = (hidden, rest)
+            if index == len(layers) - 1:
+                raise _StopForward
+        return hook
+
+    handles = [layer.register_forward_pre_hook(make_hook(i), with_kwargs=True)
+               for i, layer in enumerate(layers)]
+    for layer in layers:  # pass-through: only the kwargs of layers after the first are needed
+        layer.forward = _pass_through
+    try:
+        for start in range(0, batches.shape[0], micro_batch):
+            ids = batches[start : start + micro_batch]
+            mask = None if attention_mask is None else attention_mask[start : start + micro_batch]
+            records.clear()
+            try:
+                model(input_ids=ids.to(_input_device(model)),
+                      attention_mask=None if mask is None else mask.to(_input_device(model)),
+                      use_cache=False)
+            except _StopForward:
+                pass
+            inputs.hidden.append(to_device(records[0][0], device))
+            for i in range(len(layers)):
+                inputs.layer_kwargs[i].append(to_device(records[i][1], device))
+            inputs.token_mask.append(None if mask is None or bool(mask.all()) else mask.bool())
+    finally:
+        for handle, layer in zip(handles, layers):
+            handle.remove()
+            del layer.forward  # back to the class's forward
+    inputs.use_layer(0)
+    return inputs
+
+
+def _pass_through(hidden_states, *args, **kwargs):
+    return hidden_states
+
+
+def _first(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@torch.no_grad()
+def layer_forward(layer: nn.Module, inputs: LayerInputs, device=None) -> list[torch.Tensor]:
+    """The layer's outputs per micro-batch, computed with the weights it holds now."""
+    outputs = []
+    for hidden, kwargs in zip(inputs.hidden, inputs.kwargs):
+        out = _first(layer(to_device(hidden, device), **to_device(kwargs, device)))
+        outputs.append(out.to(hidden.device))
+    return outputs
+
+
+@torch.no_grad()
+def record_linear_inputs(layer: nn.Module, names: list[str], inputs: LayerInputs, device,
+                         fn: Callable[[str, torch.Tensor], None]) -> None:
+    """Run the layer, calling fn(name, x2d) with each named linear's input (tokens, in_features).
+
+    Padded tokens are left out. Linears that receive the same tensor in one forward (q/k/v,
+    gate/up) are handed the same x2d object, so a caller can accumulate statistics once. The
+    forward stops as soon as every named linear has been seen.
+    """
+    wanted = set(names)
+    for hidden, kwargs, mask in zip(inputs.hidden, inputs.kwargs, _masks(inputs)):
+        seen: set[str] = set()
+        flat: dict[tuple, torch.Tensor] = {}
+
+        def make_hook(name: str):
+            def hook(module, args):
+                x = args[0]
+                key = (x.data_ptr(), tuple(x.shape), x.stride())
+                if key not in flat:
+                    x2d = x.reshape(-1, x.shape[-1])
+                    flat[key] = x2d if mask is None else x2d[mask.reshape(-1).to(x.device)]
+                fn(name, flat[key])
+                seen.add(name)
+                if seen >= wanted:
+                    raise _StopForward
+            return hook
+
+        handles = [layer.get_submodule(n).register_forward_pre_hook(make_hook(n)) for n in names]
+        try:
+            layer(to_device(hidden, device), **to_device(kwargs, device))
+        except _StopForward:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        if seen != wanted:
+            raise RuntimeError(f"linears {sorted(wanted - seen)} were never called in the layer's "
+                               "forward; check the architecture table's group names")
+
+
+def _masks(inputs: LayerInputs) -> list[Optional[torch.Tensor]]:
+    return inputs.token_mask or [None] * len(inputs.hidden)
+
+
+def _layer_device(layer: nn.Module) -> Optional[torch.device]:
+    param = next(layer.parameters(), None)
+    return None if param is None else param.device
+
+
+@torch.no_grad()
+def walk(model, arch: Arch, batches: torch.Tensor, on_layer, device=None, label: str = "walk",
+         micro_batch: int = 8, attention_mask: Optional[torch.Tensor] = None) -> WalkResult:
+    """Layer by layer: result_i = on_layer(i, name, layer, inputs), then the layer's new outputs
+    become the next layer's inputs. Returns the results (and the final hidden states)."""
+    device = torch.device(device) if device is not None else _input_device(model)
+    inputs = capture_first_layer_inputs(model, arch, batches, micro_batch, attention_mask, device)
+    layers = decoder_layers(model, arch)
+    progress = Progress(label, len(layers))
+    results = WalkResult()
+    for i, layer in enumerate(layers):
+        home = _layer_device(layer)
+        layer.to(device)
+        inputs.use_layer(i)
+        results.append(on_layer(i, f"{arch.layers}.{i}", layer, inputs))
+        inputs.hidden = layer_forward(layer, inputs, device)
+        if home is not None:
+            layer.to(home)
+        progress.step()
+    results.hidden = inputs.hidden
+    return results
