@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from lowbit.quantize import rtn
+from lowbit.quantize import gptq, rtn
 
 
 class StepSpec(NamedTuple):
@@ -17,5 +17,6 @@ class StepSpec(NamedTuple):
 
 
 STEPS: dict[str, StepSpec] = {
+    "gptq": StepSpec(gptq.GPTQConfig, gptq.apply, "GPTQ: error-compensating weight quantization, layer by layer"),
     "rtn": StepSpec(rtn.RTNConfig, rtn.apply, "round-to-nearest weight quantization"),
 }
