@@ -74,3 +74,17 @@ def test_record_linear_inputs_names_missing_linears(tiny_llama):
     layer.extra = torch.nn.Linear(128, 128)  # a linear the forward never calls
     with pytest.raises(RuntimeError, match="extra"):
         record_linear_inputs(layer, ["self_attn.q_proj", "extra"], inputs, None, lambda n, x: None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_walk_on_cuda_matches_cpu_and_leaves_layers_home(tiny_llama):
+    arch = arch_for(tiny_llama)
+    ids = torch.randint(3, 512, (6, 40), generator=torch.Generator().manual_seed(5))
+    devices = []
+    cpu = walk(tiny_llama, arch, ids, lambda *a: None)
+    cuda = walk(tiny_llama, arch, ids, lambda i, n, layer, inputs: devices.append(
+        {p.device.type for p in layer.parameters()}), device="cuda")
+    assert devices == [{"cuda"}] * len(devices)  # the current layer runs on the device
+    assert {p.device.type for p in tiny_llama.parameters()} == {"cpu"}  # and goes back home
+    torch.testing.assert_close(torch.cat([h.cpu() for h in cuda.hidden]), torch.cat(cpu.hidden),
+                               rtol=1e-3, atol=1e-4)
