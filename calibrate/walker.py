@@ -155,16 +155,15 @@ def record_linear_inputs(layer: nn.Module, names: list[str], inputs: LayerInputs
     wanted = set(names)
     for hidden, kwargs, mask in zip(inputs.hidden, inputs.kwargs, _masks(inputs)):
         seen: set[str] = set()
-        flat: dict[tuple, torch.Tensor] = {}
+        flat: dict[int, tuple] = {}  # id(x) -> (x, x2d); holding x keeps its id from being reused
 
         def make_hook(name: str):
             def hook(module, args):
                 x = args[0]
-                key = (x.data_ptr(), tuple(x.shape), x.stride())
-                if key not in flat:
+                if id(x) not in flat:
                     x2d = x.reshape(-1, x.shape[-1])
-                    flat[key] = x2d if mask is None else x2d[mask.reshape(-1).to(x.device)]
-                fn(name, flat[key])
+                    flat[id(x)] = (x, x2d if mask is None else x2d[mask.reshape(-1).to(x.device)])
+                fn(name, flat[id(x)][1])
                 seen.add(name)
                 if seen >= wanted:
                     raise _StopForward

@@ -144,12 +144,13 @@ class _FixedGrid:
             order = perm if perm is not None else torch.arange(W.shape[1], device=W.device)
             group = order // scheme.group_size
         self.column_group = group  # processing position -> group index
+        self._groups = group.tolist()  # plain ints: cheap to index in the per-column loop
 
     def begin(self, j: int, Wt_rest: torch.Tensor) -> None:
         pass
 
     def column(self, j: int):
-        g = self.column_group[j]
+        g = self._groups[j]
         return self.scale[:, g], None if self.zero is None else self.zero[:, g]
 
     def result(self):

@@ -1,0 +1,155 @@
+"""GPTQ: the pure core against RTN, act-order round trips, Hessian masking, damping, apply()."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.calibrate.arch import arch_for, decoder_layers
+from lowbit.calibrate.walker import capture_first_layer_inputs, record_linear_inputs
+from lowbit.quantize import gptq
+from lowbit.quantize.gptq import GPTQConfig, HessianAccumulator, gptq_solve, quantize_weight
+from lowbit.quantize.primitives import fake_quantize
+from lowbit.quantize.qlinear import QuantLinear
+from lowbit.quantize.step import StepContext
+from lowbit.quantize.weight import quantize_rtn
+
+
+def _correlated(tokens=2048, cols=128, rows=64, seed=0):
+    """Inputs with correlated features and a few loud channels, as real activations have."""
+    gen = torch.Generator().manual_seed(seed)
+    mix = torch.randn(cols, cols, generator=gen) / cols**0.5
+    X = torch.randn(tokens, cols, generator=gen) @ mix + 0.05 * torch.randn(tokens, cols, generator=gen)
+    X[:, :4] *= 8
+    W = torch.randn(rows, cols, generator=gen)
+    acc = HessianAccumulator(cols)
+    acc.add(X)
+    return X, W, acc.H
+
+
+def _output_error(X, W, Q):
+    return float(((X @ (W - Q).t()) ** 2).mean())
+
+
+@pytest.mark.parametrize("cfg", [
+    GPTQConfig(bits=4, strategy="group", group_size=32, actorder="none"),
+    GPTQConfig(bits=4, strategy="group", group_size=32, actorder="static", symmetric=False),
+    GPTQConfig(bits=3, strategy="channel", group_size=None, actorder="group"),
+    GPTQConfig(bits=4, strategy="group", group_size=32, actorder="group", block_size=32),
+])
+def test_gptq_beats_rtn_on_output_error(cfg):
+    X, W, H = _correlated()
+    gptq_error = _output_error(X, W, quantize_weight(W, H, cfg).dequantize())
+    rtn_error = _output_error(X, W, quantize_rtn(W, cfg.scheme).dequantize())
+    assert gptq_error < 0.6 * rtn_error
+
+
+@pytest.mark.parametrize("actorder", ["static", "group"])
+def test_act_order_with_groups_round_trips(actorder):
+    X, W, H = _correlated(cols=96)
+    cfg = GPTQConfig(bits=4, strategy="group", group_size=32, actorder=actorder, symmetric=False)
+    qw = quantize_weight(W, H, cfg)
+    assert (qw.g_idx is not None) == (actorder == "group")  # static needs no runtime permutation
+    if qw.g_idx is not None:
+        assert torch.bincount(qw.g_idx).tolist() == [32, 32, 32]  # each group holds group_size columns
+        assert not torch.equal(qw.g_idx, torch.arange(96) // 32)  # loud columns moved groups
+    scale = qw.scale[:, qw.g_idx] if qw.g_idx is not None else qw.scale.repeat_interleave(32, dim=1)
+    zero = qw.zero[:, qw.g_idx] if qw.g_idx is not None else qw.zero.repeat_interleave(32, dim=1)
+    dequant = qw.dequantize()
+    assert torch.equal(fake_quantize(dequant, scale, zero, qw.scheme.qmin, qw.scheme.qmax), dequant)
+    # and through the runtime module and back
+    module = QuantLinear.from_quantized(qw, None)
+    assert torch.equal(module.dequantized_weight(), dequant)
+    assert int(qw.codes.min()) >= qw.scheme.qmin and int(qw.codes.max()) <= qw.scheme.qmax
+
+
+def test_padded_tokens_leave_hessian_unchanged(tiny_llama):
+    arch = arch_for(tiny_llama)
+    layer = decoder_layers(tiny_llama, arch)[0]
+    gen = torch.Generator().manual_seed(0)
+    short, long = torch.randint(3, 512, (1, 7), generator=gen), torch.randint(3, 512, (1, 12), generator=gen)
+
+    def hessian(batches):
+        acc = HessianAccumulator(256)  # down_proj reads the intermediate size
+        for ids, mask in batches:
+            inputs = capture_first_layer_inputs(tiny_llama, arch, ids, attention_mask=mask)
+            record_linear_inputs(layer, ["mlp.down_proj"], inputs, None, lambda n, x: acc.add(x))
+        return acc.H, acc.tokens
+
+    padded = torch.cat([torch.cat([short, torch.zeros(1, 5, dtype=torch.long)], 1), long])
+    mask = torch.ones_like(padded)
+    mask[0, 7:] = 0  # right padding after the short sample
+    H_padded, n_padded = hessian([(padded, mask)])
+    H_alone, n_alone = hessian([(short, None), (long, None)])
+    assert n_padded == n_alone == 19
+    torch.testing.assert_close(H_padded, H_alone, rtol=1e-4, atol=1e-5)
+
+
+def test_damping_retry_on_singular_hessian():
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(8, 64, generator=gen)  # 8 tokens, 64 features: rank 8
+    H = 2 * X.t() @ X / 8
+    H -= 2e-3 * H.diagonal().mean() * torch.eye(64)  # slightly indefinite, as rounding can leave it
+    W = torch.randn(16, 64, generator=gen)
+    result = gptq_solve(W, H, GPTQConfig(bits=4, strategy="channel", group_size=None,
+                                         dampening_frac=1e-4))
+    assert result.retries >= 1 and result.dampening_frac > 2e-3
+    assert torch.isfinite(result.weight.dequantize()).all()
+
+
+def test_dead_inputs_are_zeroed():
+    X, W, H = _correlated(cols=64)
+    H[5, :], H[:, 5] = 0, 0  # an input feature that is always zero
+    qw = quantize_weight(W, H, GPTQConfig(bits=4, strategy="group", group_size=32))
+    assert torch.all(qw.dequantize()[:, 5] == 0)
+
+
+def test_config_rejects_bad_options():
+    with pytest.raises(ValueError, match="group_size"):
+        GPTQConfig(strategy="group", group_size=None)
+    with pytest.raises(ValueError, match="bits"):
+        GPTQConfig(bits=9)
+
+
+def test_apply_on_tiny_model(tiny_llama):
+    model = tiny_llama
+    ids = torch.randint(3, 512, (8, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: ids)
+    cfg = GPTQConfig(bits=4, strategy="group", group_size=32, actorder="group", micro_batch=3)
+    result = gptq.apply(ctx, cfg)
+    arch = ctx.arch
+    expected = [f"{arch.layers}.{i}.{n}" for i in range(2) for n in arch.linears]
+    assert result["quantized"] == expected
+    assert all(isinstance(model.get_submodule(n), QuantLinear) for n in expected)
+    assert [layer["layer"] for layer in result["layers"]] == [f"{arch.layers}.{i}" for i in range(2)]
+    losses = {n: s["loss"] for layer in result["layers"] for n, s in layer["linears"].items()}
+    assert sorted(losses) == sorted(expected) and all(v >= 0 for v in losses.values())
+    with torch.no_grad():
+        quantized = model(input_ids=ids).logits
+    assert torch.isfinite(quantized).all()
+    assert not torch.equal(quantized, reference)
+    assert float((quantized - reference).abs().mean()) < 0.5 * float(reference.abs().mean())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_apply_on_cuda_matches_cpu():
+    import copy
+
+    from lowbit.calibrate.arch import arch_for as _arch_for
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(3, 512, (6, 32), generator=torch.Generator().manual_seed(6))
+    cfg = GPTQConfig(bits=4, strategy="group", group_size=32, actorder="group")
+    gptq.apply(StepContext(model, _arch_for(model), ("lm_head",), lambda: ids), cfg)
+    gptq.apply(StepContext(twin, _arch_for(twin), ("lm_head",), lambda: ids, device=torch.device("cuda")), cfg)
+    assert {t.device.type for t in [*twin.parameters(), *twin.buffers()]} == {"cpu"}
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, twin(input_ids=ids).logits
+    # rounding differs between devices for a few codes; the models must still agree closely
+    assert float((a - b).abs().mean()) < 0.05 * float(a.abs().mean())
