@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from lowbit.quantize import rtn
+from lowbit.quantize import fp8_step, rtn
 
 
 class StepSpec(NamedTuple):
@@ -18,4 +18,5 @@ class StepSpec(NamedTuple):
 
 STEPS: dict[str, StepSpec] = {
     "rtn": StepSpec(rtn.RTNConfig, rtn.apply, "round-to-nearest weight quantization"),
+    "fp8": StepSpec(fp8_step.FP8Config, fp8_step.apply, "FP8 weights and activations (dynamic or static)"),
 }
