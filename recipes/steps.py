@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from lowbit.quantize import fp8_step, rtn
+from lowbit.quantize import fp8_step, kv_cache, rtn
 
 
 class StepSpec(NamedTuple):
@@ -19,4 +19,5 @@ class StepSpec(NamedTuple):
 STEPS: dict[str, StepSpec] = {
     "rtn": StepSpec(rtn.RTNConfig, rtn.apply, "round-to-nearest weight quantization"),
     "fp8": StepSpec(fp8_step.FP8Config, fp8_step.apply, "FP8 weights and activations (dynamic or static)"),
+    "kv_cache": StepSpec(kv_cache.KVCacheConfig, kv_cache.apply, "INT8/FP8/INT4 KV cache, scales on cached K/V"),
 }

@@ -111,7 +111,7 @@ def test_fp8_step_replaces_linears_and_keeps_logits_close(tiny_llama, activation
     assert (out - ref).norm() / ref.norm() < 0.1
 
 
-@pytest.mark.parametrize("name", ["fp8-dynamic", "fp8-static"])
+@pytest.mark.parametrize("name", ["fp8-dynamic", "fp8-static", "fp8-dynamic-kv-fp8"])
 def test_shipped_fp8_recipes_parse(name):
     recipe = load_recipe(name)
     assert recipe.steps[0].name == "fp8"
