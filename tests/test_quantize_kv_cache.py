@@ -148,3 +148,35 @@ def test_recipe_composes_weight_step_with_kv_cache(tiny_llama):
 def test_static_cache_without_calibration_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="k_scale"):
         kv_cache.QuantizedKVCache(tiny_llama, KVCacheConfig("int8", "tensor"))
+
+
+def test_perplexity_effect_runs_through_the_quantized_cache(tiny_tokenizer_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from lowbit.evaluate.config import PerplexityProtocol
+    from lowbit.evaluate.kv_cache import kv_perplexity_effect
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=256)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    _apply(model, "int4", "token")
+    r = kv_perplexity_effect(model, tokenizer, PerplexityProtocol(context_len=128, stride=128, max_tokens=256))
+    assert r["perplexity_quantized_kv"] != r["perplexity_float_kv"]  # the KV scheme was really in the loop
+    assert abs(r["kv_effect_pct"]) < 5 and model.lowbit_kv_cache.scheme == "int4"  # re-attached
+
+
+@pytest.mark.slow
+def test_smollm2_int8_kv_cache_is_at_most_55_percent_of_16bit(smollm2):
+    model, tokenizer = smollm2
+    from lowbit.evaluate.config import PerplexityProtocol
+    from lowbit.evaluate.perplexity import eval_tokens
+
+    prompt = eval_tokens(tokenizer, PerplexityProtocol())[:2000][None]
+    try:
+        _apply(model, "int8", "tensor", batches=prompt[:, :256])
+        r = measure_kv_cache(model, prompt, decode_steps=2)
+    finally:
+        kv_cache.detach(model)  # the fixture is shared by the session
+    assert r["tokens"] == 2002 and r["ratio_to_16bit"] <= 0.55
