@@ -74,6 +74,9 @@ class QuantizedKVLayer(BaseQuantizedLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_batch(lambda t: t[indices, ...])
 
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("the quantized KV cache cannot be cropped (assisted/speculative decoding)")
+
     def offload(self):
         self._map_batch(lambda t: t.to("cpu", non_blocking=True))
 
