@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from lowbit.quantize import awq, gptq, input_quant, rtn, smoothquant
+from lowbit.quantize import awq, fp8_step, gptq, input_quant, kv_cache, rtn, smoothquant
 
 
 class StepSpec(NamedTuple):
@@ -25,4 +25,6 @@ STEPS: dict[str, StepSpec] = {
                     "activation-aware weight scaling and clipping (folds scales; a later step quantizes)"),
     "quantize_inputs": StepSpec(input_quant.InputQuantConfig, input_quant.apply,
                                 "INT8 input quantization of the quantized linears (W8A8 after an int8 weight step)"),
+    "fp8": StepSpec(fp8_step.FP8Config, fp8_step.apply, "FP8 weights and activations (dynamic or static)"),
+    "kv_cache": StepSpec(kv_cache.KVCacheConfig, kv_cache.apply, "INT8/FP8/INT4 KV cache, scales on cached K/V"),
 }

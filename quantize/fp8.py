@@ -1,0 +1,112 @@
+"""FP8 (E4M3, E5M2) primitives: saturating casts, weight and activation scales.
+
+Pure functions on tensors. A scale maps a tensor onto the format's range: x ≈ fp8(x / scale) * scale.
+Weights are (out, in); a weight scale is (1, 1) per tensor, (out, 1) per channel, or
+(ceil(out / b), ceil(in / b)) for b×b blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+FP8Format = Literal["e4m3", "e5m2"]  # e4m3: more precision (weights, activations); e5m2: more range
+WeightStrategy = Literal["tensor", "channel", "block"]
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def fp8_dtype(fmt: FP8Format) -> torch.dtype:
+    if fmt not in FP8_DTYPES:
+        raise ValueError(f"FP8 format must be one of {sorted(FP8_DTYPES)}, got {fmt!r}")
+    return FP8_DTYPES[fmt]
+
+
+def fp8_max(fmt: FP8Format) -> float:
+    """Largest finite value: 448 for E4M3, 57344 for E5M2."""
+    return float(torch.finfo(fp8_dtype(fmt)).max)
+
+
+def saturating_cast(x: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """Cast to FP8, clamping to the largest finite value first.
+
+    A plain cast overflows to inf (E5M2) or NaN (E4M3 on CUDA), so values past the range
+    (outliers beyond a calibrated static scale) must saturate instead.
+    """
+    m = fp8_max(fmt)
+    return x.float().clamp(-m, m).to(fp8_dtype(fmt))
+
+
+def scale_from_absmax(absmax: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """float32 scale that maps absmax onto the format's max; an all-zero slice gets scale 1."""
+    scale = absmax.float() / fp8_max(fmt)
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def block_absmax(w: torch.Tensor, block: int) -> torch.Tensor:
+    """(ceil(out / block), ceil(in / block)) absolute maxima; edge blocks are zero-padded."""
+    out, inp = w.shape
+    rows, cols = -(-out // block), -(-inp // block)
+    padded = w.new_zeros(rows * block, cols * block)
+    padded[:out, :inp] = w
+    return padded.abs().reshape(rows, block, cols, block).amax(dim=(1, 3))
+
+
+def expand_block_scale(scale: torch.Tensor, shape: torch.Size, block: int) -> torch.Tensor:
+    """Block scales (R, C) spread to one scale per weight element (out, in)."""
+    full = scale.repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)
+    return full[: shape[0], : shape[1]]
+
+
+def weight_scale(w: torch.Tensor, strategy: WeightStrategy, fmt: FP8Format, block: int = 128) -> torch.Tensor:
+    w = w.float()
+    if strategy == "tensor":
+        absmax = w.abs().amax().reshape(1, 1)
+    elif strategy == "channel":
+        absmax = w.abs().amax(dim=1, keepdim=True)  # (out, 1)
+    elif strategy == "block":
+        absmax = block_absmax(w, block)
+    else:
+        raise ValueError(f"FP8 weight strategy must be tensor, channel or block; got {strategy!r}")
+    return scale_from_absmax(absmax, fmt)
+
+
+@dataclass
+class FP8Weight:
+    data: torch.Tensor  # (out, in) float8
+    scale: torch.Tensor  # float32: (1, 1), (out, 1) or (out / block, in / block) rounded up
+    fmt: FP8Format
+    strategy: WeightStrategy
+    block_size: int = 128  # meaningful with strategy "block" only
+
+    def dequantize(self) -> torch.Tensor:
+        return self.data.float() * element_scale(self.scale, self.data.shape, self.strategy, self.block_size)
+
+
+def element_scale(scale: torch.Tensor, shape: torch.Size, strategy: WeightStrategy, block: int) -> torch.Tensor:
+    """A weight scale that broadcasts against (out, in)."""
+    return expand_block_scale(scale, shape, block) if strategy == "block" else scale
+
+
+def quantize_weight_fp8(w: torch.Tensor, strategy: WeightStrategy = "channel", fmt: FP8Format = "e4m3",
+                        block: int = 128) -> FP8Weight:
+    scale = weight_scale(w, strategy, fmt, block)
+    data = saturating_cast(w.float() / element_scale(scale, w.shape, strategy, block), fmt)
+    return FP8Weight(data, scale, fmt, strategy, block)
+
+
+def dynamic_token_scale(x: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """Per-token scale (..., 1): each row of activations on its own absolute maximum."""
+    return scale_from_absmax(x.detach().abs().amax(dim=-1, keepdim=True), fmt)
+
+
+def quantize_activation(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """FP8 codes of x / scale; scale is a per-tensor scalar or per-token (..., 1)."""
+    return saturating_cast(x / scale.to(x.device), fmt)
+
+
+def fake_quantize_activation(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """x rounded onto the FP8 grid and back, in x's dtype (the reference path's activation)."""
+    scale = scale.to(x.device)
+    return (quantize_activation(x, scale, fmt).float() * scale).to(x.dtype)

@@ -1,0 +1,94 @@
+"""FP8Linear: the runtime module for FP8 weights (and FP8 activations), beside QuantLinear.
+
+Buffers (names kept for export): `weight` (out, in) float8, `weight_scale` float32 ((1, 1),
+(out, 1) or block grid), `input_scale` float32 scalar for static activations (None otherwise),
+`bias` float32 or None.
+
+Two paths give the same maths: on a GPU with FP8 tensor cores (CUDA capability >= 8.9: Ada,
+Hopper) `torch._scaled_mm` multiplies the FP8 codes directly; elsewhere the reference path
+fake-quantizes the activations and multiplies by the dequantized weight.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fp8 import (FP8Format, FP8Weight, WeightStrategy, dynamic_token_scale, fake_quantize_activation,
+                  fp8_dtype, quantize_activation)
+
+ActivationMode = Literal["dynamic", "static", "none"]  # none: FP8 weights, 16-bit activations
+
+
+class FP8Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, fmt: FP8Format, weight_strategy: WeightStrategy,
+                 activations: ActivationMode, bias: bool, scale_shape: tuple[int, int], block_size: int = 128):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.fmt, self.weight_strategy, self.block_size = fmt, weight_strategy, block_size
+        self.activations = activations
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=fp8_dtype(fmt)))
+        self.register_buffer("weight_scale", torch.ones(scale_shape))
+        self.register_buffer("input_scale", torch.ones(()) if activations == "static" else None)
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+
+    @classmethod
+    def from_weight(cls, fw: FP8Weight, bias: Optional[torch.Tensor], activations: ActivationMode,
+                    input_scale: Optional[torch.Tensor] = None) -> "FP8Linear":
+        if (activations == "static") != (input_scale is not None):
+            raise ValueError("an input_scale is required with static activations and only with them")
+        out, inp = fw.data.shape
+        m = cls(inp, out, fw.fmt, fw.strategy, activations, bias is not None, tuple(fw.scale.shape), fw.block_size)
+        m.weight.copy_(fw.data)
+        m.weight_scale.copy_(fw.scale)
+        if input_scale is not None:
+            m.input_scale.copy_(input_scale.float().reshape(()))
+        if bias is not None:
+            m.bias = bias.detach().float().clone()
+        return m
+
+    def fp8_weight(self) -> FP8Weight:
+        return FP8Weight(self.weight, self.weight_scale, self.fmt, self.weight_strategy, self.block_size)
+
+    def input_scale_for(self, x: torch.Tensor) -> torch.Tensor:
+        """The activation scale: per token (dynamic) or the calibrated scalar (static)."""
+        return dynamic_token_scale(x, self.fmt) if self.activations == "dynamic" else self.input_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.can_use_scaled_mm(x):
+            return self._forward_scaled_mm(x)
+        return self._forward_reference(x)
+
+    def _forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations != "none":
+            x = fake_quantize_activation(x, self.input_scale_for(x), self.fmt)
+        w = self.fp8_weight().dequantize().to(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+    def can_use_scaled_mm(self, x: torch.Tensor) -> bool:
+        """FP8 tensor cores apply: CUDA capability >= 8.9, E4M3, per-tensor/channel scales, 16-aligned."""
+        if not (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)):
+            return False
+        return (self.activations != "none" and self.fmt == "e4m3" and x.dtype == torch.bfloat16
+                and self.weight_strategy in ("tensor", "channel")
+                and self.in_features % 16 == 0 and self.out_features % 16 == 0)
+
+    def _forward_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        # Not exercised by the test suite (no FP8 GPU there): written to torch._scaled_mm's contract,
+        # A (M, K) row-major, B (K, N) column-major (the transpose of our row-major weight), and
+        # row-wise scales (M, 1) x (1, N) in float32.
+        x2 = x.reshape(-1, self.in_features)
+        scale_a = self.input_scale_for(x2).float()
+        scale_a = scale_a.reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
+        scale_b = self.weight_scale.float().reshape(1, -1).expand(1, self.out_features).contiguous()
+        out = torch._scaled_mm(quantize_activation(x2, scale_a, self.fmt), self.weight.t(), scale_a=scale_a,
+                               scale_b=scale_b, bias=None if self.bias is None else self.bias.to(x.dtype),
+                               out_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        block = f" {self.block_size}x{self.block_size}" if self.weight_strategy == "block" else ""
+        return (f"in={self.in_features}, out={self.out_features}, {self.fmt}, weights {self.weight_strategy}"
+                f"{block}, activations {self.activations}")
