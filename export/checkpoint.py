@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from . import compressed_tensors as ct
-from . import gptq_format
+from . import gptq_format, kv_scales
 from .config import ExportConfig
 from .manifest import MANIFEST, write_manifest
 from .reader import load, read_tensors  # noqa: F401  (re-exported: checkpoint.load)
@@ -69,6 +69,9 @@ def _write(model, tokenizer, folder: Path, cfg: ExportConfig, extra_files) -> No
     for name, module in quantized.items():
         tensors.update(fmt.module_tensors(name, module, dtype))
     qconfig = fmt.quantization_config(quantized, _float_linears(model, quantized))
+    kv = kv_scales.kv_config(model)
+    if kv is not None:
+        tensors.update(kv_scales.scale_tensors(model, torch.float32))
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
@@ -85,6 +88,8 @@ def _write(model, tokenizer, folder: Path, cfg: ExportConfig, extra_files) -> No
         config["tie_word_embeddings"] = False  # a quantized head no longer shares the float embedding
     if quantized:
         config["quantization_config"] = qconfig
+    if kv is not None:
+        kv_scales.add_to_config(config, kv)
     (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
 
 

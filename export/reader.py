@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from . import compressed_tensors as ct
-from . import gptq_format
+from . import gptq_format, kv_scales
 
 INDEX = "model.safetensors.index.json"
 
@@ -33,6 +33,7 @@ def load(folder: str | Path, dtype: torch.dtype = torch.float32, trust_remote_co
     with no_init_weights():  # every tensor is overwritten from the file; skip random init
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
     _install_quantized(model, tensors, qconfig, folder)
+    kv_scales.restore(model, config.to_dict(), tensors)
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     _load_float(model, tensors, folder)
     model.eval()
