@@ -2,7 +2,7 @@
 
 Diagnostic for the AWQ search: prints the decoder-layer output MSE for layers 0, 5, 15 on 8
 calibration samples, with each layer quantized alone on float inputs. Run from the repository
-with PYTHONPATH=.dev LOWBIT_CACHE=/tmp/lbcache python bench/awq_layer_error.py
+with `python bench/awq_layer_error.py` (lowbit installed)
 """
 import copy
 

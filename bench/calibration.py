@@ -1,7 +1,7 @@
 """GPTQ calibration benchmark on smollm2-135m: wall time, peak RSS and perplexity.
 
-    PYTHONPATH=.dev python bench/calibration.py                 # W4A16 group 64, 64 x 512 wiki
-    PYTHONPATH=.dev python bench/calibration.py --json --samples 16 --no-eval
+    python bench/calibration.py                 # W4A16 group 64, 64 x 512 wiki
+    python bench/calibration.py --json --samples 16 --no-eval
 
 calibration_s is wall time; calibration_cpu_s the CPU time of all threads (a steadier figure
 when other work shares the cores). Peak RSS is the process's high-water mark (resource.getrusage), model loading included.
