@@ -157,7 +157,8 @@ class BlockError:
         finally:
             for h in hooks:
                 h.remove()
-        self.masks = [None if m is None else m.to(device) for m in (inputs.token_mask or [None] * len(inputs.hidden))]
+        masks = inputs.token_mask or [None] * len(inputs.hidden)
+        self.masks = [None if m is None else m.to(device) for m in masks]
         channels, _ = pair_index(layer, pair)
         self.index = {n: follower_index(layer, n, channels) for n in pair.linears}
         self.original = {n: weight_out_in(layer.get_submodule(n)).clone() for n in pair.linears}
