@@ -32,7 +32,8 @@ for i in [0, 5, 15]:
     out = {}
     for name, cfg in cfgs.items():
         l = copy.deepcopy(layer)
-        r = awq.scale_layer(l, arch, f"x.{i}", inputs, None, cfg, ())
-        if cfg.clip: awq.clip_layer(l, arch, f"x.{i}", inputs, None, cfg, ())
+        sample = awq.leading_sequences(inputs, cfg.max_tokens)
+        r = awq.scale_layer(l, arch, f"x.{i}", sample, None, cfg, ())
+        if cfg.clip: awq.clip_layer(l, arch, f"x.{i}", sample, None, cfg, ())
         rtn_layer(l); out[name] = err(l)
     print(i, "rtn", e_rtn, out, r, flush=True)

@@ -1,11 +1,13 @@
 """AWQ: activation-aware scaling and clipping of weights before low-bit quantization (Lin et al., 2024).
 
 Per smoothing pair, the per-channel scale s = mean|x|^r / mean|w~|^(1 - r) (w~: weight magnitude
-relative to its group's max) is searched over r in [0, 1), keeping the s that minimises the
-pair's output error under the target weight grid (never worse than no scaling, which is a
-candidate too); s is folded exactly by fold.py. Then each linear's weights are clipped per
-group to the fraction of their range that minimises the group's output error.
-AWQ only folds scales and clips: a later step (rtn, gptq) quantizes.
+relative to its group's max) is searched over r in [0, 1). A candidate is judged by the output
+error of the block the pair feeds (the whole attention for a norm -> q/k/v pair, the whole MLP
+for a norm -> gate/up pair, the linear itself for v -> o and up -> down) with the pair's weights
+fake-quantized as Q(W * s) / s, on a few calibration sequences; no scaling is a candidate too,
+so the search never makes the block worse on them. The chosen s is folded exactly by fold.py.
+Then each linear's weights are clipped per group to the fraction of their range that minimises
+the group's output error. AWQ only folds scales and clips: a later step (rtn, gptq) quantizes.
 """
 from __future__ import annotations
 
@@ -14,12 +16,12 @@ from typing import Optional
 
 import torch
 
-from lowbit.calibrate.walker import record_linear_inputs, walk
+from lowbit.calibrate.arch import is_linear
+from lowbit.calibrate.walker import LayerInputs, layer_forward, record_linear_inputs, walk
 
-from .fold import fold_scale, weight_out_in
+from .fold import fold_scale, follower_index, weight_out_in
 from .primitives import IntScheme, check_group_size, fake_quantize, grouped, scale_zero_from_range
-from .smoothing import (InputCollector, PairError, first_micro_batches, pair_index, pair_weights, to_prev,
-                        token_stride, weight_quantizer)
+from .smoothing import InputCollector, pair_index, to_prev, token_stride, weight_quantizer
 from .step import StepContext
 from .targets import is_ignored
 
@@ -27,7 +29,7 @@ from .targets import is_ignored
 @dataclass(frozen=True)
 class AWQConfig:
     bits: int = 4  # the weight grid the searches assume: match the weight step that follows
-    symmetric: bool = True
+    symmetric: bool = True  # AWQ usually quantizes asymmetrically (zero point): recipes say so
     group_size: Optional[int] = 128  # None: per-channel
     grid: int = 20  # scale exponents r = 0, 1/grid, ..., (grid-1)/grid
     duo_scaling: bool = True  # divide by weight magnitude^(1-r) too, not only activations^r
@@ -36,10 +38,10 @@ class AWQConfig:
     max_shrink: float = 0.5
     # clipping query/key weights distorts attention scores more than it helps (AWQ's finding)
     clip_skip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
-    # tokens for the scale search (and the mean |x| statistic) and for the clipping search,
-    # taken from the leading calibration samples: recording them costs a forward pass each
-    max_tokens: int = 2048
-    clip_tokens: int = 512
+    # whole calibration sequences (attention needs them) holding about this many tokens feed the
+    # scale search and the mean |x| statistic; each candidate costs a block forward on them
+    max_tokens: int = 1024
+    clip_tokens: int = 512  # evenly strided tokens of those sequences for the clipping search
 
     def __post_init__(self):
         self.scheme  # validates bits / group_size
@@ -61,17 +63,17 @@ def weight_magnitude(weights: list[torch.Tensor], scheme: IntScheme) -> torch.Te
     return torch.cat(rel).mean(dim=0)
 
 
-def search_scale(x_mean, w_mean, index, error: PairError, cfg: AWQConfig):
+def search_scale(x_mean, w_mean, error, cfg: AWQConfig):
     """(scale over prev channels, best r or None for no scaling), by grid search on `error`."""
     x_mean, w_mean = x_mean.clamp(min=1e-8), w_mean.clamp(min=1e-8)
     ones = torch.ones_like(x_mean)
-    best = (error(ones[index]), ones, None)
+    best = (error(ones), ones, None)
     for k in range(cfg.grid):
         r = k / cfg.grid
         s = x_mean.pow(r) / w_mean.pow(1 - r) if cfg.duo_scaling else x_mean.pow(r)
         s = s.clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()  # centre the range around 1
-        loss = error(s[index])
+        loss = error(s)
         if loss < best[0]:
             best = (loss, s, r)
     return best[1], best[2]
@@ -98,32 +100,135 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: IntScheme, cfg: AWQCon
     return torch.maximum(torch.minimum(g, hi_c), lo_c).reshape(w.shape).to(w.dtype)
 
 
-def scale_layer(layer, arch, prefix, inputs, device, cfg: AWQConfig, ignore) -> dict:
+def block_targets(layer, pair) -> list[str]:
+    """Modules whose outputs judge a scaling of `pair`: the block its linears share (attention,
+    MLP) when prev is a norm, else the linears themselves (v -> o, up -> down)."""
+    owners = {n.rpartition(".")[0] for n in pair.linears}
+    if not is_linear(layer.get_submodule(pair.prev)) and len(owners) == 1 and "" not in owners:
+        return [owners.pop()]
+    return list(pair.linears)
+
+
+def leading_sequences(inputs: LayerInputs, max_tokens: int) -> LayerInputs:
+    """The first whole sequences holding at least max_tokens tokens (all of them if fewer).
+
+    Keyword tensors with 2+ dims and the micro-batch's size first (attention masks, per-sample
+    rotary tables) are sliced with the hidden states; the rest (shared rotaries) are kept.
+    """
+    out = LayerInputs([], [], [])
+    tokens = 0
+    for i, hidden in enumerate(inputs.hidden):
+        if tokens >= max_tokens:
+            break
+        batch, seq = hidden.shape[:2]
+        n = min(batch, -(-(max_tokens - tokens) // seq))
+        out.hidden.append(hidden[:n])
+        out.kwargs.append(_take_batch(inputs.kwargs[i], batch, n))
+        mask = inputs.token_mask[i] if inputs.token_mask else None
+        out.token_mask.append(None if mask is None else mask[:n])
+        tokens += n * seq
+    return out
+
+
+def _take_batch(value, batch: int, n: int):
+    if isinstance(value, torch.Tensor):
+        return value[:n] if value.dim() >= 2 and value.shape[0] == batch else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_take_batch(v, batch, n) for v in value)
+    if isinstance(value, dict):
+        return {k: _take_batch(v, batch, n) for k, v in value.items()}
+    return value
+
+
+class BlockError:
+    """Output error of the pair's target blocks with its linears fake-quantized under a scaling.
+
+    The blocks' calls (args, kwargs, float output) are recorded once, in one layer forward.
+    """
+
+    def __init__(self, layer, pair, inputs: LayerInputs, device, scheme: IntScheme):
+        self.layer, self.pair, self.quant = layer, pair, weight_quantizer(scheme)
+        self.targets = block_targets(layer, pair)
+        self.calls = {n: [] for n in self.targets}
+        hooks = [layer.get_submodule(n).register_forward_hook(self._recorder(n), with_kwargs=True)
+                 for n in self.targets]
+        try:
+            layer_forward(layer, inputs, device)
+        finally:
+            for h in hooks:
+                h.remove()
+        masks = inputs.token_mask or [None] * len(inputs.hidden)
+        self.masks = [None if m is None else m.to(device) for m in masks]
+        channels, _ = pair_index(layer, pair)
+        self.index = {n: follower_index(layer, n, channels) for n in pair.linears}
+        self.original = {n: weight_out_in(layer.get_submodule(n)).clone() for n in pair.linears}
+
+    def _recorder(self, name):
+        def hook(module, args, kwargs, output):
+            self.calls[name].append((args, kwargs, _first(output)))
+        return hook
+
+    def block_input(self) -> torch.Tensor:
+        """(tokens, in) the pair's linears read: the first target's input, padding left out."""
+        rows = []
+        for (args, kwargs, _), mask in zip(self.calls[self.targets[0]], self.masks):
+            x = args[0] if args else kwargs["hidden_states"]
+            rows.append(x[mask] if mask is not None else x.reshape(-1, x.shape[-1]))
+        return torch.cat(rows).float()
+
+    @torch.no_grad()
+    def __call__(self, scale: torch.Tensor) -> float:
+        for name, w in self.original.items():
+            s = scale[self.index[name]].to(w.device, w.dtype).unsqueeze(0)
+            weight_out_in(self.layer.get_submodule(name)).copy_(self.quant(w * s) / s)
+        try:
+            total = 0.0
+            for name in self.targets:
+                module = self.layer.get_submodule(name)
+                for (args, kwargs, ref), mask in zip(self.calls[name], self.masks):
+                    diff = (_first(module(*args, **kwargs)) - ref).float().pow(2)
+                    total += (diff[mask] if mask is not None else diff).mean().item()
+            return total
+        finally:
+            self.restore()
+
+    def restore(self) -> None:
+        for name, w in self.original.items():
+            weight_out_in(self.layer.get_submodule(name)).copy_(w)
+
+
+def _first(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def scale_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig, ignore) -> dict:
+    """Search and fold one scale per smoothing pair; inputs: the sequences to search on.
+
+    Every pair is searched on the layer's float weights (recorded before any folding), as the
+    folds commute: a norm's scale multiplies v_proj's columns, o_proj's scale its rows.
+    """
     pairs = [p for p in arch.smooth if not any(is_ignored(f"{prefix}.{n}", ignore) for n in p.linears)]
-    inputs = first_micro_batches(inputs, cfg.max_tokens)  # mean |x| and the search use these tokens
-    stride = token_stride(inputs.hidden, cfg.max_tokens)
-    collectors = {p.linears[0]: InputCollector(stride) for p in pairs}
-    record_linear_inputs(layer, list(collectors), inputs, device, lambda n, x: collectors[n].update(x))
-    quant_w, ratios = weight_quantizer(cfg.scheme), {}
-    for pair in pairs:
-        stats = collectors[pair.linears[0]].result()
-        weights = pair_weights(layer, pair)
+    errors = [BlockError(layer, p, inputs, device, cfg.scheme) for p in pairs]
+    ratios = {}
+    for pair, error in zip(pairs, errors):
         channels, index = pair_index(layer, pair)
-        x_mean = to_prev(stats.mean_abs, index, channels)
-        w_mean = to_prev(weight_magnitude(weights, cfg.scheme), index, channels)
-        scale, ratios[pair.prev] = search_scale(x_mean, w_mean, index, PairError(stats.sample, weights, quant_w), cfg)
+        x_mean = to_prev(error.block_input().abs().mean(dim=0).cpu(), index, channels)
+        w_mean = to_prev(weight_magnitude([w.float().cpu() for w in error.original.values()], cfg.scheme),
+                         index, channels)
+        scale, ratios[pair.prev] = search_scale(x_mean, w_mean, error, cfg)
+        error.calls.clear()  # free the recorded activations
         fold_scale(layer, pair, scale, arch.norm_offset)
     return ratios
 
 
-def clip_layer(layer, arch, prefix, inputs, device, cfg: AWQConfig, ignore) -> list[str]:
+def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig, ignore) -> list[str]:
     names = [n for n in arch.linears if n not in cfg.clip_skip and not is_ignored(f"{prefix}.{n}", ignore)]
-    inputs = first_micro_batches(inputs, cfg.clip_tokens)
     collectors = {n: InputCollector(token_stride(inputs.hidden, cfg.clip_tokens)) for n in names}
     record_linear_inputs(layer, names, inputs, device, lambda n, x: collectors[n].update(x))
     for name in names:
         w = weight_out_in(layer.get_submodule(name))  # a view: copying into it updates the module
-        w.copy_(search_clip(w.cpu(), collectors[name].result().sample, cfg.scheme, cfg))  # on CPU
+        clipped = search_clip(w.float().cpu(), collectors[name].result().sample, cfg.scheme, cfg)
+        w.copy_(clipped.to(w.device, w.dtype))
     return names
 
 
@@ -136,8 +241,9 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
         check_group_size(cfg.scheme, weight_out_in(layer0.get_submodule(name)).shape[1], name)
 
     def on_layer(i, prefix, layer, inputs):
-        ratios = scale_layer(layer, ctx.arch, prefix, inputs, ctx.device, cfg, ctx.ignore)
-        clipped = clip_layer(layer, ctx.arch, prefix, inputs, ctx.device, cfg, ctx.ignore) if cfg.clip else []
+        sample = leading_sequences(inputs, cfg.max_tokens)
+        ratios = scale_layer(layer, ctx.arch, prefix, sample, ctx.device, cfg, ctx.ignore)
+        clipped = clip_layer(layer, ctx.arch, prefix, sample, ctx.device, cfg, ctx.ignore) if cfg.clip else []
         return {"ratios": ratios, "clipped": clipped}
 
     per_layer = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="awq")

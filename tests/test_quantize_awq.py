@@ -27,13 +27,12 @@ def test_scale_search_beats_rtn_on_outlier_channels():
     x = outlier_inputs()
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
     error = PairError(x, [w], weight_quantizer(CFG.scheme))
-    index = torch.arange(128)
     x_mean = x.abs().mean(dim=0)
     w_mean = awq.weight_magnitude([w], CFG.scheme)
-    scale, ratio = awq.search_scale(x_mean, w_mean, index, error, CFG)
+    scale, ratio = awq.search_scale(x_mean, w_mean, error, CFG)
     assert ratio is not None  # some scaling was better than none
     assert error(scale) < 0.8 * error(torch.ones(128))
-    again, ratio2 = awq.search_scale(x_mean, w_mean, index, error, CFG)
+    again, ratio2 = awq.search_scale(x_mean, w_mean, error, CFG)
     assert torch.equal(scale, again) and ratio == ratio2
 
 
@@ -107,3 +106,26 @@ def test_awq_composes_with_gptq():
     assert isinstance(model.get_submodule("model.layers.1.mlp.down_proj"), QuantLinear)
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
+
+
+def test_leading_sequences_slices_per_sample_kwargs_only():
+    from lowbit.calibrate.walker import LayerInputs
+
+    hidden = [torch.randn(4, 8, 16), torch.randn(4, 8, 16)]
+    mask = torch.zeros(4, 1, 8, 8)
+    shared = (torch.randn(1, 8, 4), torch.arange(8))  # a broadcast rotary table, a 1-d position
+    inputs = LayerInputs(hidden, [{"attention_mask": mask, "rot": shared}] * 2, [None, None])
+    sample = awq.leading_sequences(inputs, max_tokens=20)  # 20 tokens: three whole sequences
+    assert len(sample.hidden) == 1 and torch.equal(sample.hidden[0], hidden[0][:3])
+    assert sample.kwargs[0]["attention_mask"].shape[0] == 3
+    assert sample.kwargs[0]["rot"][0] is shared[0] and sample.kwargs[0]["rot"][1] is shared[1]
+    assert len(awq.leading_sequences(inputs, max_tokens=40).hidden) == 2
+
+
+def test_scales_are_judged_on_the_block_each_pair_feeds():
+    model = make_tiny_model("llama")
+    arch = arch_for(model)
+    layer = decoder_layers(model, arch)[0]
+    targets = {p.prev: awq.block_targets(layer, p) for p in arch.smooth}
+    assert targets == {"input_layernorm": ["self_attn"], "self_attn.v_proj": ["self_attn.o_proj"],
+                       "post_attention_layernorm": ["mlp"], "mlp.up_proj": ["mlp.down_proj"]}
