@@ -35,7 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64, help="0 for per-channel")
     p.add_argument("--actorder", default="static", choices=["none", "static", "group"])
-    p.add_argument("--dampening-frac", type=float, default=0.01)
+    p.add_argument("--dampening-frac", type=float, default=0.1)
+    p.add_argument("--scale-search", default="mse", choices=["minmax", "mse"])
     p.add_argument("--eval-dataset", default="wiki", help="comma-separated: wiki,news evaluates both")
     p.add_argument("--no-eval", action="store_true", help="skip the perplexity evaluation")
     p.add_argument("--json", action="store_true", help="print one JSON line")
@@ -59,14 +60,15 @@ def main(argv=None) -> dict:
     grouped = args.group_size > 0
     cfg = gptq.GPTQConfig(bits=args.bits, strategy="group" if grouped else "channel",
                           group_size=args.group_size if grouped else None,
-                          actorder=args.actorder, dampening_frac=args.dampening_frac)
+                          actorder=args.actorder, dampening_frac=args.dampening_frac,
+                          scale_search=args.scale_search)
     ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: batches)
     start, cpu_start = time.perf_counter(), cpu_seconds()
     detail = gptq.apply(ctx, cfg)
     wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
     out = {"model": args.model, "samples": args.samples, "seq_len": args.seq_len,
            "calibration_dataset": args.dataset, "bits": args.bits, "group_size": args.group_size,
-           "actorder": args.actorder, "dampening_frac": args.dampening_frac,
+           "actorder": args.actorder, "dampening_frac": args.dampening_frac, "scale_search": args.scale_search,
            "calibration_s": round(wall, 2), "calibration_cpu_s": round(cpu, 2), "peak_rss_mb": round(peak_rss_mb()),
            "threads": torch.get_num_threads(), "damping_retries": len(detail["damping_retries"])}
     if not args.no_eval:

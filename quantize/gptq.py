@@ -17,7 +17,8 @@ from torch import nn
 
 from lowbit.calibrate.walker import record_linear_inputs, walk
 
-from .primitives import IntScheme, check_group_size, compute_scale_zero, fake_quantize, scale_zero_from_range
+from .primitives import (IntScheme, check_group_size, compute_scale_zero, fake_quantize, grouped,
+                         scale_zero_from_range)
 from .qlinear import QuantLinear, linear_weight
 from .step import StepContext
 from .targets import replace_module, select_targets
@@ -37,6 +38,9 @@ class GPTQConfig:
     # none: columns in order; static: columns by decreasing Hessian diagonal, groups fixed
     # beforehand (no runtime permutation); group: groups formed in that order (needs g_idx)
     actorder: Literal["none", "static", "group"] = "static"
+    # minmax: a group's range is its min/max; mse: shrink the range to minimise the group's
+    # rounding error weighted by the Hessian diagonal (clipping a few outliers costs less)
+    scale_search: Literal["minmax", "mse"] = "minmax"
     true_sequential: bool = True  # re-record inputs after each group of a layer is quantized
     micro_batch: int = 8  # calibration samples per forward pass
 
@@ -44,6 +48,8 @@ class GPTQConfig:
         self.scheme  # validates bits, strategy and group_size
         if self.block_size < 1 or self.micro_batch < 1:
             raise ValueError("block_size and micro_batch must be positive")
+        if self.scale_search not in ("minmax", "mse"):
+            raise ValueError(f"scale_search must be minmax or mse, got {self.scale_search!r}")
         if not 0 <= self.dampening_frac < 10:
             raise ValueError(f"dampening_frac must be in [0, 10), got {self.dampening_frac}")
 
@@ -116,7 +122,11 @@ def _gptq_solve(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult
         W, H = W[:, perm], H[perm][:, perm]
     U, frac, retries = inverse_hessian_factor(H, cfg.dampening_frac)
     lazy_groups = scheme.strategy == "group" and cfg.actorder != "static"
-    grid = _FixedGrid(W, perm, scheme) if not lazy_groups else _LazyGrid(rows, cols, scheme, W.device)
+    importance = H.diagonal() if cfg.scale_search == "mse" else None  # (cols,) processing order
+    if lazy_groups:
+        grid = _LazyGrid(rows, cols, scheme, W.device, importance)
+    else:
+        grid = _FixedGrid(W, perm, scheme, importance)
     block = cfg.block_size
     if scheme.strategy == "group":  # keep each group inside one block
         block = max(scheme.group_size, block // scheme.group_size * scheme.group_size)
@@ -135,10 +145,17 @@ def _gptq_solve(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult
 class _FixedGrid:
     """Scales fixed before GPTQ runs (per channel, or per group of the original column order)."""
 
-    def __init__(self, W: torch.Tensor, perm: Optional[torch.Tensor], scheme: IntScheme):
+    def __init__(self, W: torch.Tensor, perm: Optional[torch.Tensor], scheme: IntScheme,
+                 importance: Optional[torch.Tensor] = None):
         self.scheme = scheme
-        original = W if perm is None else W[:, torch.argsort(perm)]
-        self.scale, self.zero = compute_scale_zero(original, scheme)  # (rows, G)
+        inverse = None if perm is None else torch.argsort(perm)
+        original = W if perm is None else W[:, inverse]
+        if importance is None:
+            self.scale, self.zero = compute_scale_zero(original, scheme)  # (rows, G)
+        else:
+            weight = importance if perm is None else importance[inverse]
+            groups = grouped(original, scheme)  # (rows, G, group)
+            self.scale, self.zero = search_scale_zero(groups, grouped(weight[None], scheme)[0], scheme)
         group = torch.zeros(W.shape[1], dtype=torch.long, device=W.device)
         if scheme.strategy == "group":
             order = perm if perm is not None else torch.arange(W.shape[1], device=W.device)
@@ -160,8 +177,8 @@ class _FixedGrid:
 class _LazyGrid:
     """Group scales computed when GPTQ reaches a group, from the already-updated weights."""
 
-    def __init__(self, rows: int, cols: int, scheme: IntScheme, device):
-        self.scheme, self.size = scheme, scheme.group_size
+    def __init__(self, rows: int, cols: int, scheme: IntScheme, device, importance=None):
+        self.scheme, self.size, self.importance = scheme, scheme.group_size, importance
         self.scale = torch.ones(rows, cols // self.size, device=device)
         self.zero = None if scheme.symmetric else torch.zeros(rows, cols // self.size, device=device)
         self.column_group = torch.arange(cols, device=device) // self.size
@@ -169,7 +186,12 @@ class _LazyGrid:
     def begin(self, j: int, Wt_rest: torch.Tensor) -> None:
         if j % self.size == 0:  # Wt_rest: (columns from j on, rows), current values
             g = Wt_rest[: self.size]
-            scale, zero = scale_zero_from_range(g.amin(dim=0), g.amax(dim=0), self.scheme)
+            if self.importance is None:
+                scale, zero = scale_zero_from_range(g.amin(dim=0), g.amax(dim=0), self.scheme)
+            else:
+                weight = self.importance[j : j + self.size]
+                scale, zero = search_scale_zero(g.t()[:, None], weight[None], self.scheme)
+                scale, zero = scale[:, 0], None if zero is None else zero[:, 0]
             self.scale[:, j // self.size] = scale
             if zero is not None:
                 self.zero[:, j // self.size] = zero
@@ -180,6 +202,28 @@ class _LazyGrid:
 
     def result(self):
         return self.scale, self.zero
+
+
+def search_scale_zero(groups: torch.Tensor, weight: torch.Tensor, scheme: IntScheme,
+                      steps: int = 20, max_shrink: float = 0.5):
+    """Per group of groups (rows, G, size), the min/max range shrunk by the factor in
+    [1 - max_shrink, 1] whose rounding error, weighted per column by weight (G, size), is least.
+    Returns scale (rows, G) and zero (rows, G) or None."""
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    best_err = torch.full_like(lo, float("inf"))
+    best_scale, best_zero = torch.ones_like(lo), None if scheme.symmetric else torch.zeros_like(lo)
+    for i in range(steps + 1):
+        shrink = 1 - max_shrink * i / steps
+        scale, zero = scale_zero_from_range(lo * shrink, hi * shrink, scheme)
+        q = fake_quantize(groups, scale[..., None], None if zero is None else zero[..., None],
+                          scheme.qmin, scheme.qmax)
+        err = ((q - groups).square() * weight).sum(dim=-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        if zero is not None:
+            best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
 
 
 def _single_threaded(fn, *args):

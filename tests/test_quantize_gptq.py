@@ -35,12 +35,29 @@ def _output_error(X, W, Q):
     GPTQConfig(bits=4, strategy="group", group_size=32, actorder="static", symmetric=False),
     GPTQConfig(bits=3, strategy="channel", group_size=None, actorder="group"),
     GPTQConfig(bits=4, strategy="group", group_size=32, actorder="group", block_size=32),
+    GPTQConfig(bits=4, strategy="group", group_size=32, actorder="static", scale_search="mse"),
+    GPTQConfig(bits=4, strategy="group", group_size=32, actorder="none", scale_search="mse", symmetric=False),
 ])
 def test_gptq_beats_rtn_on_output_error(cfg):
     X, W, H = _correlated()
     gptq_error = _output_error(X, W, quantize_weight(W, H, cfg).dequantize())
     rtn_error = _output_error(X, W, quantize_rtn(W, cfg.scheme).dequantize())
     assert gptq_error < 0.6 * rtn_error
+
+
+def test_mse_scale_search_clips_an_outlier():
+    gen = torch.Generator().manual_seed(0)
+    groups = torch.rand(16, 4, 32, generator=gen) * 2 - 1
+    groups[:, :, 0] = -4.0  # one outlier per group: min/max scales spend the grid on it
+    weight = torch.ones(4, 32)
+    scheme = GPTQConfig(bits=4, strategy="group", group_size=32).scheme
+    scale, zero = gptq.search_scale_zero(groups, weight, scheme)
+    minmax = groups.abs().amax(dim=-1) / 7.5
+    assert zero is None and bool((scale < minmax).all())
+
+    def error(s):
+        return float((fake_quantize(groups, s[..., None], None, scheme.qmin, scheme.qmax) - groups).square().sum())
+    assert error(scale) < error(minmax)
 
 
 @pytest.mark.parametrize("actorder", ["static", "group"])
