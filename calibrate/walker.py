@@ -129,7 +129,8 @@ def _pass_through(hidden_states, *args, **kwargs):
     return hidden_states
 
 
-def _first(output):
+def first_output(output):
+    """The hidden states of a module's output (decoder layers and attention return tuples)."""
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
@@ -138,7 +139,7 @@ def layer_forward(layer: nn.Module, inputs: LayerInputs, device=None) -> list[to
     """The layer's outputs per micro-batch, computed with the weights it holds now."""
     outputs = []
     for hidden, kwargs in zip(inputs.hidden, inputs.kwargs):
-        out = _first(layer(to_device(hidden, device), **to_device(kwargs, device)))
+        out = first_output(layer(to_device(hidden, device), **to_device(kwargs, device)))
         outputs.append(out.to(hidden.device))
     return outputs
 

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from lowbit.calibrate.arch import is_linear
-from lowbit.calibrate.walker import LayerInputs, layer_forward, record_linear_inputs, walk
+from lowbit.calibrate.walker import LayerInputs, first_output, layer_forward, record_linear_inputs, walk
 
 from .fold import fold_scale, follower_index, weight_out_in
 from .primitives import IntScheme, check_group_size, fake_quantize, grouped, scale_zero_from_range
@@ -165,7 +165,7 @@ class BlockError:
 
     def _recorder(self, name):
         def hook(module, args, kwargs, output):
-            self.calls[name].append((args, kwargs, _first(output)))
+            self.calls[name].append((args, kwargs, first_output(output)))
         return hook
 
     def block_input(self) -> torch.Tensor:
@@ -186,7 +186,7 @@ class BlockError:
             for name in self.targets:
                 module = self.layer.get_submodule(name)
                 for (args, kwargs, ref), mask in zip(self.calls[name], self.masks):
-                    diff = (_first(module(*args, **kwargs)) - ref).float().pow(2)
+                    diff = (first_output(module(*args, **kwargs)) - ref).float().pow(2)
                     total += (diff[mask] if mask is not None else diff).mean().item()
             return total
         finally:
@@ -195,10 +195,6 @@ class BlockError:
     def restore(self) -> None:
         for name, w in self.original.items():
             weight_out_in(self.layer.get_submodule(name)).copy_(w)
-
-
-def _first(output):
-    return output[0] if isinstance(output, (tuple, list)) else output
 
 
 def scale_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig, ignore) -> dict:
