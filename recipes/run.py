@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 
@@ -27,30 +27,23 @@ from .schema import Recipe
 from .steps import STEPS
 
 
-@dataclass
-class Timer:
-    seconds: dict
-
-    def __call__(self, key: str):
-        return _Timed(self.seconds, key)
-
-
-class _Timed:
-    def __init__(self, seconds, key):
-        self.seconds, self.key = seconds, key
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.seconds[self.key] = self.seconds.get(self.key, 0.0) + time.perf_counter() - self.start
+def timer(seconds: dict):
+    """`with timed(key):` adds the block's wall time to seconds[key] (blocks may repeat)."""
+    @contextmanager
+    def timed(key: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
+    return timed
 
 
 def run(recipe: Recipe, output: str | Path) -> dict:
     output = Path(output)
     checkpoint.check_output_dir(output, recipe.export.overwrite)  # fail before hours of work
     seconds: dict = {}
-    timed = Timer(seconds)
+    timed = timer(seconds)
     model, tokenizer, seconds["load_s"] = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code)
     info = {"id": recipe.model, "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
             "model_type": model.config.model_type}
