@@ -37,6 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--actorder", default="static", choices=["none", "static", "group"])
     p.add_argument("--dampening-frac", type=float, default=0.1)
     p.add_argument("--scale-search", default="mse", choices=["minmax", "mse"])
+    p.add_argument("--forward-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--no-true-sequential", action="store_true",
+                   help="one Hessian-recording forward per layer instead of one per linear group")
     p.add_argument("--eval-dataset", default="wiki", help="comma-separated: wiki,news evaluates both")
     p.add_argument("--no-eval", action="store_true", help="skip the perplexity evaluation")
     p.add_argument("--json", action="store_true", help="print one JSON line")
@@ -61,7 +64,8 @@ def main(argv=None) -> dict:
     cfg = gptq.GPTQConfig(bits=args.bits, strategy="group" if grouped else "channel",
                           group_size=args.group_size if grouped else None,
                           actorder=args.actorder, dampening_frac=args.dampening_frac,
-                          scale_search=args.scale_search)
+                          scale_search=args.scale_search, forward_dtype=args.forward_dtype,
+                          true_sequential=not args.no_true_sequential)
     ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: batches)
     start, cpu_start = time.perf_counter(), cpu_seconds()
     detail = gptq.apply(ctx, cfg)
@@ -69,6 +73,7 @@ def main(argv=None) -> dict:
     out = {"model": args.model, "samples": args.samples, "seq_len": args.seq_len,
            "calibration_dataset": args.dataset, "bits": args.bits, "group_size": args.group_size,
            "actorder": args.actorder, "dampening_frac": args.dampening_frac, "scale_search": args.scale_search,
+           "forward_dtype": detail["forward_dtype"], "true_sequential": cfg.true_sequential,
            "calibration_s": round(wall, 2), "calibration_cpu_s": round(cpu, 2), "peak_rss_mb": round(peak_rss_mb()),
            "threads": torch.get_num_threads(), "damping_retries": len(detail["damping_retries"])}
     if not args.no_eval:

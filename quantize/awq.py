@@ -242,7 +242,8 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
         clipped = clip_layer(layer, ctx.arch, prefix, sample, ctx.device, cfg, ctx.ignore) if cfg.clip else []
         return {"ratios": ratios, "clipped": clipped}
 
-    per_layer = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="awq")
+    per_layer = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="awq",
+                     store=ctx.layer_store)
     return {"scaled_pairs": [p.prev for p in ctx.arch.smooth],
             "scale_ratio": [r["ratios"] for r in per_layer],
             "clipped": sorted({n for r in per_layer for n in r["clipped"]})}

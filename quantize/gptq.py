@@ -43,6 +43,10 @@ class GPTQConfig:
     scale_search: Literal["minmax", "mse"] = "minmax"
     true_sequential: bool = True  # re-record inputs after each group of a layer is quantized
     micro_batch: int = 8  # calibration samples per forward pass
+    # dtype of the calibration forwards and Hessian products; weights are solved in float32
+    # either way. auto: bfloat16 where the device has fast bf16 matmuls (CUDA, AVX512-BF16/AMX
+    # CPUs), else float32
+    forward_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
 
     def __post_init__(self):
         self.scheme  # validates bits, strategy and group_size
@@ -52,6 +56,8 @@ class GPTQConfig:
             raise ValueError(f"scale_search must be minmax or mse, got {self.scale_search!r}")
         if not 0 <= self.dampening_frac < 10:
             raise ValueError(f"dampening_frac must be in [0, 10), got {self.dampening_frac}")
+        if self.forward_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"forward_dtype must be auto, bfloat16 or float32, got {self.forward_dtype!r}")
 
     @property
     def scheme(self) -> IntScheme:
@@ -67,20 +73,40 @@ class GPTQResult:
 
 
 class HessianAccumulator:
-    """Running mean H = 2/N · XᵀX over the N tokens seen (callers leave padding out)."""
+    """Running mean H = 2/N · XᵀX over the N tokens seen (callers leave padding out), kept in
+    float32; with matmul_dtype bfloat16 each batch's XᵀX is formed in bf16 (fp32 accumulation
+    inside the matmul, ~0.4% relative rounding per entry, far below the damping)."""
 
-    def __init__(self, columns: int, device=None):
+    def __init__(self, columns: int, device=None, matmul_dtype: torch.dtype = torch.float32):
         self.H = torch.zeros(columns, columns, dtype=torch.float32, device=device)
         self.tokens = 0
+        self.matmul_dtype = matmul_dtype
 
     def add(self, x2d: torch.Tensor) -> None:
         n = x2d.shape[0]
         if n == 0:
             return
-        x = x2d.to(self.H.device, torch.float32)
         total = self.tokens + n
-        self.H.mul_(self.tokens / total).addmm_(x.t(), x, alpha=2.0 / total)
+        self.H.mul_(self.tokens / total)
+        if self.matmul_dtype == torch.float32:
+            x = x2d.to(self.H.device, torch.float32)
+            self.H.addmm_(x.t(), x, alpha=2.0 / total)
+        else:
+            x = x2d.to(self.H.device, self.matmul_dtype)
+            self.H.add_((x.t() @ x).float(), alpha=2.0 / total)
         self.tokens = total
+
+
+def resolve_forward_dtype(name: str, device) -> torch.dtype:
+    """The dtype `auto` stands for on this device."""
+    if name != "auto":
+        return getattr(torch, name)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
 
 
 def quantize_weight(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> QuantizedWeight:
@@ -293,8 +319,10 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
         return {"layer": prefix, "seconds": round(time.perf_counter() - start, 3),
                 "linears": {f"{prefix}.{n}": s for n, s in stats.items()}}
 
+    forward_dtype = resolve_forward_dtype(cfg.forward_dtype, ctx.device)
     layers = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="gptq",
-                  micro_batch=cfg.micro_batch)
+                  micro_batch=cfg.micro_batch, forward_dtype=forward_dtype, final_outputs=False,
+                  store=ctx.layer_store)
     for name, module in outside.items():  # lm_head etc. see no decoder-layer inputs: RTN
         warnings.warn(f"{name} is outside the decoder layers; quantized round-to-nearest, not GPTQ")
         replace_module(ctx.model, name, QuantLinear.from_quantized(quantize_rtn(linear_weight(module), cfg.scheme),
@@ -302,6 +330,7 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
     retries = [{"linear": n, "dampening_frac": s["dampening_frac"]}
                for layer in layers for n, s in layer["linears"].items() if s["retries"]]
     return {"quantized": list(targets.linears), "ignored": targets.ignored,
+            "forward_dtype": str(forward_dtype).removeprefix("torch."),
             "round_to_nearest": list(outside), "damping_retries": retries, "layers": list(layers)}
 
 
@@ -317,7 +346,8 @@ def _collect_hessians(layer: nn.Module, names: list[str], inputs, device):
                 sharing[last["lead"]].append(name)
             return
         if name not in hessians:
-            hessians[name] = HessianAccumulator(x2d.shape[1], device=x2d.device)
+            hessians[name] = HessianAccumulator(x2d.shape[1], device=x2d.device,
+                                                matmul_dtype=inputs.forward_dtype or torch.float32)
             sharing[name] = [name]
         hessians[name].add(x2d)
         last["x"], last["lead"] = x2d, name

@@ -79,6 +79,6 @@ def apply(ctx: StepContext, cfg: SmoothQuantConfig) -> dict:
                          "(an unknown architecture?); add its row to calibrate/arch.py")
     alphas = walk(ctx.model, ctx.arch, ctx.batches,
                   lambda i, name, layer, inputs: smooth_layer(layer, ctx.arch, inputs, ctx.device, cfg),
-                  device=ctx.device, label="smoothquant")
+                  device=ctx.device, label="smoothquant", store=ctx.layer_store)
     return {"smoothed_pairs": [p.prev for p in ctx.arch.smooth], "alpha": cfg.alpha,
             "alphas_chosen": alphas if cfg.alpha_grid else None}

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lowbit.calibrate.arch import Arch
+from lowbit.calibrate.walker import LayerStore
 
 
 @dataclass
@@ -17,6 +18,7 @@ class StepContext:
     ignore: tuple[str, ...]
     make_batches: Callable[[], torch.Tensor]  # (samples, seq_len) token ids, built on first use
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    layer_store: Optional[LayerStore] = None  # checkpoints each finished layer of a walk (resume)
     _batches: Optional[torch.Tensor] = None
 
     @property

@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--model", help="built-in model name, local folder or hub id (overrides the recipe)")
     run.add_argument("--output", help="checkpoint folder (default runs/<recipe>-<model>)")
     run.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    run.add_argument("--resume", action="store_true",
+                     help="continue an interrupted run of this recipe from its last finished layer")
     run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                      help="override a recipe value, e.g. --set calibration.samples=64")
     run.set_defaults(handler=_cmd_run)
@@ -69,6 +71,8 @@ def _add_eval_commands(sub) -> None:
     sw.add_argument("--model", required=True)
     sw.add_argument("--output", help="folder for the runs and report.html (default runs/sweep-<model>)")
     sw.add_argument("--overwrite", action="store_true", help="replace existing run folders")
+    sw.add_argument("--resume", action="store_true",
+                    help="keep finished runs (folders with results.json) and resume interrupted ones")
     sw.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                     help="override a value in every recipe, e.g. --set evaluate.speed.enabled=true")
     sw.set_defaults(handler=cmd_sweep)
@@ -84,7 +88,7 @@ def _cmd_run(args) -> int:
         overrides.append("export.overwrite=true")
     recipe = load_recipe(args.recipe, tuple(overrides))
     output = Path(args.output or f"runs/{recipe.name}-{Path(recipe.model).name}")
-    results = run(recipe, output)
+    results = run(recipe, output, resume=args.resume)
     _print_summary(results, output)
     return 0
 

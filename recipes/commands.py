@@ -37,9 +37,12 @@ def cmd_sweep(args) -> int:
     dirs = []
     for recipe in recipes:
         out = root / recipe.name
-        print(f"[lowbit] sweep: {recipe.name} -> {out}", file=sys.stderr)
-        run(recipe, out)
         dirs.append(out)
+        if args.resume and (out / "results.json").is_file():
+            print(f"[lowbit] sweep: {recipe.name} already done in {out}", file=sys.stderr)
+            continue
+        print(f"[lowbit] sweep: {recipe.name} -> {out}", file=sys.stderr)
+        run(recipe, out, resume=args.resume)
     report = write_report(load_runs(dirs), root / "report.html", labels=[r.name for r in recipes])
     print(f"report      {report} and {report.with_suffix('.md')} ({len(dirs)} runs)")
     return 0

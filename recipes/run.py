@@ -23,6 +23,7 @@ from lowbit.export import checkpoint
 from lowbit.export.model_card import write_model_card
 from lowbit.quantize.step import StepContext
 
+from .resume import RunProgress
 from .schema import Recipe
 from .steps import STEPS
 
@@ -39,9 +40,11 @@ def timer(seconds: dict):
     return timed
 
 
-def run(recipe: Recipe, output: str | Path) -> dict:
+def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
+    """With resume, continue an interrupted run of the same recipe from its last finished layer."""
     output = Path(output)
     checkpoint.check_output_dir(output, recipe.export.overwrite)  # fail before hours of work
+    progress = RunProgress.open(output, recipe.to_dict(), resume)
     seconds: dict = {}
     timed = timer(seconds)
     model, tokenizer, seconds["load_s"] = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code)
@@ -56,7 +59,8 @@ def run(recipe: Recipe, output: str | Path) -> dict:
     arch = arch_for(model)
     ctx = StepContext(model, arch, recipe.ignore, lambda: _batches(recipe, tokenizer, timed))
     steps = []
-    for step in recipe.steps:
+    for index, step in enumerate(recipe.steps):
+        ctx.layer_store = progress.step(index)
         start = time.perf_counter()
         with timed("quantize_s"):
             detail = STEPS[step.name].apply(ctx, step.config)
@@ -65,6 +69,7 @@ def run(recipe: Recipe, output: str | Path) -> dict:
     with timed("export_s"):
         checkpoint.save(model, tokenizer, output, recipe.export,
                         extra_files={"recipe.yaml": yaml.safe_dump(recipe.to_dict(), sort_keys=False)})
+    progress.finish()
     del model
     with timed("evaluate_s"):
         reloaded, _ = checkpoint.load(output, trust_remote_code=recipe.trust_remote_code)

@@ -170,3 +170,41 @@ def test_apply_on_cuda_matches_cpu():
         a, b = model(input_ids=ids).logits, twin(input_ids=ids).logits
     # rounding differs between devices for a few codes; the models must still agree closely
     assert float((a - b).abs().mean()) < 0.05 * float(a.abs().mean())
+
+
+def test_bf16_hessian_is_close_to_float32():
+    X, _, H = _correlated()
+    acc = HessianAccumulator(X.shape[1], matmul_dtype=torch.bfloat16)
+    for chunk in X.split(512):
+        acc.add(chunk)
+    assert acc.H.dtype == torch.float32 and acc.tokens == X.shape[0]
+    assert float((acc.H - H).norm() / H.norm()) < 0.01
+
+
+def test_bf16_forwards_quantize_about_as_well_as_float32(tiny_llama):
+    """The bf16 calibration forwards (the default where bf16 matmuls are fast) solve the same
+    float32 weights against nearly the same Hessians: the quantized model is about as close to
+    the float one (rounding choices differ, so the two quantized models differ like any two)."""
+    import copy
+
+    ids = torch.randint(3, 512, (8, 32), generator=torch.Generator().manual_seed(4))
+    twin = copy.deepcopy(tiny_llama)
+    with torch.no_grad():
+        reference = tiny_llama(input_ids=ids).logits
+    for model, dtype in ((tiny_llama, "float32"), (twin, "bfloat16")):
+        cfg = GPTQConfig(bits=4, strategy="group", group_size=32, forward_dtype=dtype)
+        result = gptq.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: ids), cfg)
+        assert result["forward_dtype"] == dtype
+    with torch.no_grad():
+        a, b = tiny_llama(input_ids=ids).logits, twin(input_ids=ids).logits
+    error_fp32, error_bf16 = float((a - reference).abs().mean()), float((b - reference).abs().mean())
+    assert error_bf16 < 1.25 * error_fp32
+
+
+def test_forward_dtype_auto_resolves_per_device():
+    assert gptq.resolve_forward_dtype("float32", "cpu") == torch.float32
+    assert gptq.resolve_forward_dtype("bfloat16", "cpu") == torch.bfloat16
+    fast_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert gptq.resolve_forward_dtype("auto", "cpu") == (torch.bfloat16 if fast_bf16 else torch.float32)
+    with pytest.raises(ValueError, match="forward_dtype"):
+        GPTQConfig(forward_dtype="fp16")
