@@ -9,8 +9,11 @@ from __future__ import annotations
 import inspect
 import statistics
 import time
+from collections import Counter
 
 import torch
+
+from lowbit.quantize.backends import prepare
 
 from .config import SpeedConfig
 from .memory import ModelShape, kv_cache_bytes, resident_tensor_bytes
@@ -106,7 +109,13 @@ def compare_speed(models: dict, cfg: SpeedConfig) -> dict:
            "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "warmup": cfg.warmup,
            "repeats": cfg.repeats}
     for name, model in models.items():
-        out[name] = {str(b): speed_at_batch(model, cfg, b, bandwidth) for b in cfg.batch_sizes}
+        kernels = prepare(model, cfg.backend)  # after any move: kernels pack for the device
+        try:
+            out[name] = {str(b): speed_at_batch(model, cfg, b, bandwidth) for b in cfg.batch_sizes}
+        finally:
+            prepare(model, "reference")
+        if kernels:  # which matmul each quantized linear ran, counted
+            out.setdefault("backends", {})[name] = dict(Counter(kernels.values()))
     return out
 
 

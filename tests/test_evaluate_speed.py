@@ -27,3 +27,24 @@ def test_compare_speed_reports_each_model_and_batch(tiny_llama):
         row = out[name]["2"]
         assert row["decode_tok_s"] == 2 / row["tpot_s"]
         assert abs(row["roofline_decode_tok_s"] * row["roofline_tpot_s"] - 2) < 1e-9
+
+
+def test_speed_times_quantized_linears_with_the_backend_kernels(tiny_llama):
+    from lowbit.quantize import cpu_kernels
+    from lowbit.quantize.qlinear import QuantLinear
+    from lowbit.quantize.rtn import RTNConfig, apply as rtn_apply
+    from lowbit.quantize.step import StepContext
+    from lowbit.calibrate.arch import arch_for
+
+    rtn_apply(StepContext(tiny_llama, arch_for(tiny_llama), ("lm_head",), lambda: None),
+              RTNConfig(bits=4, strategy="group", group_size=32))
+    cfg = SpeedConfig(enabled=True, prompt_len=8, new_tokens=3, batch_sizes=(1,), repeats=1, warmup=0)
+    out = compare_speed({"model": tiny_llama}, cfg)
+    used = out["backends"]["model"]
+    assert sum(used.values()) == sum(isinstance(m, QuantLinear) for m in tiny_llama.modules())
+    expected = "cpu_avx512" if cpu_kernels.load() is not None else None
+    if expected:
+        assert set(used) == {expected}
+    assert all(m.kernel is None for m in tiny_llama.modules() if isinstance(m, QuantLinear))  # reference after
+    reference = compare_speed({"model": tiny_llama}, SpeedConfig(**{**cfg.__dict__, "backend": "reference"}))
+    assert reference["backends"]["model"] == {"reference": sum(used.values())}
