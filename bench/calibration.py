@@ -38,8 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--dampening-frac", type=float, default=0.1)
     p.add_argument("--scale-search", default="mse", choices=["minmax", "mse"])
     p.add_argument("--forward-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    p.add_argument("--no-true-sequential", action="store_true",
-                   help="one Hessian-recording forward per layer instead of one per linear group")
+    p.add_argument("--true-sequential", action="store_true",
+                   help="re-record inputs after each linear group (the recipe does not)")
     p.add_argument("--eval-dataset", default="wiki", help="comma-separated: wiki,news evaluates both")
     p.add_argument("--no-eval", action="store_true", help="skip the perplexity evaluation")
     p.add_argument("--json", action="store_true", help="print one JSON line")
@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
                           group_size=args.group_size if grouped else None,
                           actorder=args.actorder, dampening_frac=args.dampening_frac,
                           scale_search=args.scale_search, forward_dtype=args.forward_dtype,
-                          true_sequential=not args.no_true_sequential)
+                          true_sequential=args.true_sequential)
     ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: batches)
     start, cpu_start = time.perf_counter(), cpu_seconds()
     detail = gptq.apply(ctx, cfg)

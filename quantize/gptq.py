@@ -41,11 +41,12 @@ class GPTQConfig:
     # minmax: a group's range is its min/max; mse: shrink the range to minimise the group's
     # rounding error weighted by the Hessian diagonal (clipping a few outliers costs less)
     scale_search: Literal["minmax", "mse"] = "minmax"
-    true_sequential: bool = True  # re-record inputs after each group of a layer is quantized
+    # re-record inputs after each group of a layer ([q,k,v] -> [o] -> [gate,up] -> [down]) is
+    # quantized: ~3 forwards per layer instead of 1 (on smollm2-135m W4 no better: 19.03 vs 18.99)
+    true_sequential: bool = True
     micro_batch: int = 8  # calibration samples per forward pass
-    # dtype of the calibration forwards and Hessian products; weights are solved in float32
-    # either way. auto: bfloat16 where the device has fast bf16 matmuls (CUDA, AVX512-BF16/AMX
-    # CPUs), else float32
+    # dtype of the calibration forwards (autocast; Hessians and the solve stay float32). auto:
+    # bfloat16 where the device has fast bf16 matmuls (CUDA, AVX512-BF16/AMX CPUs), else float32
     forward_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
 
     def __post_init__(self):
@@ -73,27 +74,21 @@ class GPTQResult:
 
 
 class HessianAccumulator:
-    """Running mean H = 2/N · XᵀX over the N tokens seen (callers leave padding out), kept in
-    float32; with matmul_dtype bfloat16 each batch's XᵀX is formed in bf16 (fp32 accumulation
-    inside the matmul, ~0.4% relative rounding per entry, far below the damping)."""
+    """Running mean H = 2/N · XᵀX over the N tokens seen (callers leave padding out), in float32
+    even when the forwards run in bf16: a bf16 XᵀX rounds every entry to 8 bits, and on
+    smollm2-135m W4 that cost 2 points of the perplexity gap GPTQ closes (58% vs 60%)."""
 
-    def __init__(self, columns: int, device=None, matmul_dtype: torch.dtype = torch.float32):
+    def __init__(self, columns: int, device=None):
         self.H = torch.zeros(columns, columns, dtype=torch.float32, device=device)
         self.tokens = 0
-        self.matmul_dtype = matmul_dtype
 
     def add(self, x2d: torch.Tensor) -> None:
         n = x2d.shape[0]
         if n == 0:
             return
+        x = x2d.to(self.H.device, torch.float32)
         total = self.tokens + n
-        self.H.mul_(self.tokens / total)
-        if self.matmul_dtype == torch.float32:
-            x = x2d.to(self.H.device, torch.float32)
-            self.H.addmm_(x.t(), x, alpha=2.0 / total)
-        else:
-            x = x2d.to(self.H.device, self.matmul_dtype)
-            self.H.add_((x.t() @ x).float(), alpha=2.0 / total)
+        self.H.mul_(self.tokens / total).addmm_(x.t(), x, alpha=2.0 / total)
         self.tokens = total
 
 
@@ -346,8 +341,7 @@ def _collect_hessians(layer: nn.Module, names: list[str], inputs, device):
                 sharing[last["lead"]].append(name)
             return
         if name not in hessians:
-            hessians[name] = HessianAccumulator(x2d.shape[1], device=x2d.device,
-                                                matmul_dtype=inputs.forward_dtype or torch.float32)
+            hessians[name] = HessianAccumulator(x2d.shape[1], device=x2d.device)
             sharing[name] = [name]
         hessians[name].add(x2d)
         last["x"], last["lead"] = x2d, name
