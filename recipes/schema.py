@@ -9,6 +9,7 @@ import yaml
 
 from lowbit.calibrate.data import CalibrationConfig
 from lowbit.evaluate.config import EvaluateConfig
+from lowbit.export.checkpoint import check_plain_name
 from lowbit.export.config import ExportConfig
 
 from .steps import STEPS
@@ -29,6 +30,7 @@ class Recipe:
     description: str = ""
     model: str = "smollm2-135m"  # built-in name, local folder or hub id
     trust_remote_code: bool = False  # never on unless a recipe or flag asks for it
+    allow_pickle: bool = False  # *.bin weights, via torch.load(weights_only=True); else safetensors only
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     steps: tuple[Step, ...] = ()
     ignore: tuple[str, ...] = ("lm_head",)  # module names, trailing paths or re:REGEX
@@ -80,6 +82,10 @@ def parse_recipe(data: dict, source: str) -> Recipe:
     steps_data = data.get("steps", [])
     body = {k: v for k, v in data.items() if k != "steps"}
     recipe = build(Recipe, body, source)
+    try:
+        check_plain_name(recipe.name, "recipe name")  # runs are written to <output root>/<name>
+    except ValueError as err:
+        raise RecipeError(source, "name", str(err)) from None
     if not isinstance(steps_data, list):
         raise RecipeError(source, "steps", "expected a list of steps such as '- rtn: {bits: 4}'")
     steps = tuple(parse_step(item, source, f"steps[{i}]") for i, item in enumerate(steps_data))
@@ -102,7 +108,10 @@ def apply_override(data: dict, item: str, source: str) -> None:
     path, sep, raw = item.partition("=")
     if not sep or not path:
         raise RecipeError("--set", item, "expected key.path=value, e.g. calibration.samples=64")
-    value = yaml.safe_load(raw)
+    try:
+        value = yaml.safe_load(raw)  # safe_load: a !!python tag is an error, never code
+    except yaml.YAMLError as err:
+        raise RecipeError("--set", item, f"the value is not valid YAML: {err}") from None
     keys = path.split(".")
     node = data
     for i, k in enumerate(keys[:-1]):
@@ -110,8 +119,10 @@ def apply_override(data: dict, item: str, source: str) -> None:
     last = keys[-1]
     if isinstance(node, list):
         node[_index(node, last, path)] = value
-    else:
+    elif isinstance(node, dict):
         node[last] = value
+    else:
+        raise RecipeError("--set", path, f"cannot set a key inside {type(node).__name__}")
 
 
 def _descend(node, key: str, next_key: str, source: str, where: str):
