@@ -53,6 +53,7 @@ def run_cli(args, out, capsys) -> str:
     ("steps:\n  - rtn: {bits: 4, strategy: group}\n", "steps[0].rtn: group_size is required"),
     ("steps:\n  - gptq: {bits: 12}\n", "bits"),
     ("\xff\xfe", "not a UTF-8 text file"),
+    ("ignore: ['re:(']\n", "ignore[0]: 're:(' is not a valid regular expression"),
 ])
 def test_bad_recipe_is_refused_by_the_cli_naming_file_and_key(tmp_path, capsys, text, expected):
     recipe = tmp_path / "bad.yaml"
