@@ -137,13 +137,17 @@ def _float_linears(model, quantized) -> list[str]:
 
 
 def _publish(staging: Path, out_dir: Path) -> None:
-    if out_dir.exists():  # --overwrite: move the old one aside, so a crash still leaves one whole
-        old = out_dir.with_name(f".{out_dir.name}.old-{int(time.time())}")
-        out_dir.rename(old)
+    if not out_dir.exists():
         staging.rename(out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
+        return
+    old = out_dir.with_name(f".{out_dir.name}.old-{int(time.time())}")  # --overwrite: move it aside
+    out_dir.rename(old)
+    try:
         staging.rename(out_dir)
+    except BaseException:
+        old.rename(out_dir)  # the previous checkpoint goes back where it was
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def is_checkpoint(folder: Path) -> bool:

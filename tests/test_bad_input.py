@@ -252,3 +252,20 @@ def test_disk_full_while_overwriting_keeps_the_old_checkpoint(tiny_folder, tmp_p
     assert "No space left" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert leftovers(tmp_path, "out") == ["out"]
+
+
+def test_failed_publish_puts_the_previous_checkpoint_back(tmp_path, monkeypatch):
+    out = checkpoint.save(make_tiny_model("llama"), None, tmp_path / "out", checkpoint.ExportConfig())
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_rename = type(out).rename
+
+    def rename(self, target):
+        if self.name.startswith(".out.partial-"):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(type(out), "rename", rename)
+    with pytest.raises(OSError, match="cross-device"):
+        checkpoint.save(make_tiny_model("llama", seed=1), None, out, checkpoint.ExportConfig(overwrite=True))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert leftovers(tmp_path, "out") == ["out"]
