@@ -21,6 +21,11 @@ class CalibrationConfig:
     dataset_config: Optional[str] = None  # `datasets` only
     text_column: str = "text"  # .jsonl and `datasets`
 
+    def __post_init__(self):
+        if self.samples < 1 or self.seq_len < 2:
+            raise ValueError(f"calibration needs samples >= 1 and seq_len >= 2, got samples {self.samples} "
+                             f"and seq_len {self.seq_len}")
+
 
 def load_text(dataset: str, part: str = "calib", split: str = "train",
               dataset_config: Optional[str] = None, text_column: str = "text") -> str:
@@ -71,11 +76,10 @@ def calibration_batches(cfg: CalibrationConfig, tokenizer) -> torch.Tensor:
     """(samples, seq_len) token ids: windows cut at seeded random offsets of the tokenized text."""
     text = load_text(cfg.dataset, "calib", cfg.split, cfg.dataset_config, cfg.text_column)
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
-    if cfg.samples < 1:
-        raise ValueError(f"calibration.samples must be at least 1, got {cfg.samples}")
     if len(ids) < cfg.seq_len + 1:
+        empty = " (the text is empty)" if not text.strip() else ""
         raise ValueError(
-            f"calibration data {cfg.dataset!r} has {len(ids)} tokens, fewer than one sample of "
+            f"calibration data {cfg.dataset!r} has {len(ids)} tokens{empty}, fewer than one sample of "
             f"seq_len {cfg.seq_len}; use more text or a smaller calibration.seq_len"
         )
     gen = torch.Generator().manual_seed(cfg.seed)

@@ -1,6 +1,7 @@
 """Loading models: built-in ones (no hub access needed), local folders and hub ids."""
 from __future__ import annotations
 
+import pickle
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .cache import cache_dir
+from .checks import check_model_folder
 
 
 @dataclass(frozen=True)
@@ -82,29 +84,38 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
-    """(model, tokenizer, load seconds) for a built-in name, a local folder or a hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(name: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+               allow_pickle: bool = False):
+    """(model, tokenizer, load seconds) for a built-in name, a local folder or a hub id.
+
+    Safetensors only, unless allow_pickle: then *.bin weights may load, through
+    torch.load(weights_only=True), which unpickles tensors and containers but no other object.
+    """
+    from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
     path = resolve_model_path(name)
-    _require_safetensors(path)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
-    )
+    check_model_folder(path, allow_pickle)
+    tokenizer = _load_tokenizer(path, trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code,
+            use_safetensors=None if allow_pickle else True, weights_only=True,
+        )
+    except pickle.UnpicklingError as err:
+        raise ValueError(f"{path}: pickle-based weights hold objects other than tensors; refused even "
+                         f"with allow_pickle (loaded with weights_only=True): {str(err)[:300]}") from None
     model.eval()
     return model, tokenizer, time.perf_counter() - start
 
 
-def _require_safetensors(path: str) -> None:
-    folder = Path(path)
-    if not folder.is_dir():
-        return  # a hub id: use_safetensors=True makes transformers refuse pickle weights
-    if not any(folder.glob("*.safetensors")):
-        pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
-        found = f" (found pickle-based {', '.join(pickles)})" if pickles else ""
-        raise FileNotFoundError(
-            f"{folder}: no *.safetensors weights{found}; lowbit loads safetensors only, never "
-            "unpickles weights. Convert the checkpoint to safetensors first."
-        )
+def _load_tokenizer(path: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        if not Path(path).is_dir():
+            raise
+        raise ValueError(f"{path}: could not load its tokenizer ({' '.join(str(err).split())[:200]}); a model "
+                         "folder needs its tokenizer files (e.g. tokenizer.json) beside config.json") from None

@@ -18,7 +18,8 @@ def model_fingerprint(model_name: str) -> str:
     folder = Path(model_name)
     if model_name in BUILTIN_MODELS or not folder.is_dir():
         return model_name
-    stats = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in folder.glob("*.safetensors"))
+    weights = [p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin")]  # .bin: --allow-pickle
+    stats = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in weights)
     return f"{folder.resolve()}|{stats}"
 
 

@@ -31,6 +31,8 @@ def save(model: nn.Module, tokenizer, out_dir: str | Path, cfg: ExportConfig,
     whole; a crash leaves at most a hidden `.NAME.partial-*` folder.
     """
     out_dir = Path(out_dir)
+    for name in extra_files or {}:
+        check_plain_name(name, "extra file name")
     check_output_dir(out_dir, cfg.overwrite)
     staging = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
     staging.mkdir(parents=True)
@@ -52,9 +54,27 @@ def check_output_dir(out_dir: Path, overwrite: bool) -> None:
             f"output folder {out_dir} is not empty; choose another --output or pass --overwrite"
         )
     parent = out_dir.parent if out_dir.parent != Path("") else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file where a folder should be, a read-only or full disk
+        raise type(err)(err.errno, f"cannot create the folder {parent} for output {out_dir} "
+                        f"({err.strerror})") from None
     if not os.access(parent, os.W_OK):
         raise PermissionError(f"cannot write into {parent} (for output {out_dir})")
+
+
+def check_plain_name(name: str, what: str) -> None:
+    """A name used as one file or folder name: it may not climb out of (or hide in) its folder."""
+    rules = [
+        (lambda n: isinstance(n, str) and n, "must be a non-empty string"),
+        (lambda n: "/" not in n and "\\" not in n, "may not contain / or \\"),
+        (lambda n: not n.startswith("."), "may not start with '.' (., .., hidden and staging names)"),
+        (lambda n: all(ord(c) >= 32 for c in n), "may not contain control characters"),
+        (lambda n: len(n.encode()) <= 200, "may not be longer than 200 bytes"),
+    ]
+    for ok, problem in rules:
+        if not ok(name):
+            raise ValueError(f"{what} {name!r} {problem}: it becomes a file or folder name")
 
 
 def _write(model, tokenizer, folder: Path, cfg: ExportConfig, extra_files) -> None:
@@ -117,13 +137,17 @@ def _float_linears(model, quantized) -> list[str]:
 
 
 def _publish(staging: Path, out_dir: Path) -> None:
-    if out_dir.exists():  # --overwrite: move the old one aside, so a crash still leaves one whole
-        old = out_dir.with_name(f".{out_dir.name}.old-{int(time.time())}")
-        out_dir.rename(old)
+    if not out_dir.exists():
         staging.rename(out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
+        return
+    old = out_dir.with_name(f".{out_dir.name}.old-{int(time.time())}")  # --overwrite: move it aside
+    out_dir.rename(old)
+    try:
         staging.rename(out_dir)
+    except BaseException:
+        old.rename(out_dir)  # the previous checkpoint goes back where it was
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def is_checkpoint(folder: Path) -> bool:

@@ -234,7 +234,7 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
                          "(an unknown architecture?); add its row to calibrate/arch.py")
     layer0 = ctx.model.get_submodule(f"{ctx.arch.layers}.0")
     for name in ctx.arch.linears:
-        check_group_size(cfg.scheme, weight_out_in(layer0.get_submodule(name)).shape[1], name)
+        check_group_size(cfg.scheme, weight_out_in(layer0.get_submodule(name)).shape[1], f"{ctx.arch.layers}.0.{name}")
 
     def on_layer(i, prefix, layer, inputs):
         sample = leading_sequences(inputs, cfg.max_tokens)

@@ -53,10 +53,11 @@ def valid_group_sizes(in_features: int) -> list[int]:
 
 def check_group_size(scheme: IntScheme, in_features: int, layer: str) -> None:
     if scheme.strategy == "group" and in_features % scheme.group_size:
+        valid = valid_group_sizes(in_features)
+        sizes = f"valid group sizes: {valid}" if valid else "no common group size (16..1024) divides it"
         raise ValueError(
             f"layer {layer}: group_size {scheme.group_size} does not divide in_features "
-            f"{in_features}; valid group sizes: {valid_group_sizes(in_features)} "
-            "(or strategy: channel)"
+            f"{in_features}; {sizes} (or strategy: channel)"
         )
 
 

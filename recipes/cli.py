@@ -13,12 +13,16 @@ from .schema import load_recipe, shipped_recipes
 from .validate import RecipeError
 
 
+ALLOW_PICKLE_HELP = ("load pickle-based *.bin weights (through torch.load(weights_only=True)) when a "
+                     "model has no safetensors; off by default")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (RecipeError, FileExistsError, FileNotFoundError, PermissionError, ValueError) as err:
+    except (RecipeError, OSError, ValueError) as err:  # OSError: missing files, permissions, disk full
         print(f"lowbit: error: {err}", file=sys.stderr)
         return 2
 
@@ -35,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="continue an interrupted run of this recipe from its last finished layer")
     run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                      help="override a recipe value, e.g. --set calibration.samples=64")
+    run.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
     run.set_defaults(handler=_cmd_run)
     export = sub.add_parser("export", help="rewrite a checkpoint in another format")
     export.add_argument("checkpoint", help="checkpoint folder (lowbit's, or compressed-tensors from other tools)")
@@ -61,6 +66,7 @@ def _add_eval_commands(sub) -> None:
     ev.add_argument("--output", help="folder for results.json and the report (default runs/eval-<name>)")
     ev.add_argument("--set", action="append", default=[], metavar="evaluate.KEY=VALUE",
                     help="override an evaluate option, e.g. --set evaluate.speed.enabled=true")
+    ev.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
     ev.set_defaults(handler=cmd_eval)
     rep = sub.add_parser("report", help="compare runs: write report.html and report.md")
     rep.add_argument("runs", nargs="+", metavar="RUN_DIR")
@@ -86,6 +92,8 @@ def _cmd_run(args) -> int:
         overrides.append(f"model={args.model}")
     if args.overwrite:
         overrides.append("export.overwrite=true")
+    if args.allow_pickle:
+        overrides.append("allow_pickle=true")
     recipe = load_recipe(args.recipe, tuple(overrides))
     output = Path(args.output or f"runs/{recipe.name}-{Path(recipe.model).name}")
     results = run(recipe, output, resume=args.resume)

@@ -64,9 +64,9 @@ def cmd_eval(args) -> int:
         model, tokenizer = checkpoint.load(target)
         weight_bytes, reference_name = checkpoint_weight_bytes(target), args.baseline or _recipe_model(target)
     else:
-        model, tokenizer, _ = load_model(args.target)
+        model, tokenizer, _ = load_model(args.target, allow_pickle=args.allow_pickle)
         weight_bytes, reference_name = model_weight_bytes(model, bytes_per_param=2), args.baseline
-    reference = LazyModel(reference_name and (lambda: load_model(reference_name)[0]))
+    reference = LazyModel(reference_name and (lambda: load_model(reference_name, allow_pickle=args.allow_pickle)[0]))
     quality = perplexity(model, tokenizer, cfg.perplexity)
     base_ppl = cached_baseline(reference_name, cfg.perplexity, lambda: perplexity(
         reference.get(), tokenizer, cfg.perplexity))["perplexity"] if reference.available and cfg.baseline else None

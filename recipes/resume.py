@@ -35,27 +35,31 @@ def resume_dir(output: Path) -> Path:
 
 
 class RunProgress:
-    """The resume folder of one run."""
+    """The resume folder of one run; created when the first layer is saved, so a run that fails
+    before calibrating leaves nothing behind."""
 
-    def __init__(self, folder: Path):
-        self.folder = folder
+    def __init__(self, folder: Path, identity: dict):
+        self.folder, self.identity = folder, identity
 
     @classmethod
     def open(cls, output: Path, recipe: dict, resume: bool) -> "RunProgress":
         folder = resume_dir(Path(output))
         identity = {k: recipe.get(k) for k in IDENTITY_KEYS}
-        if folder.is_dir() and (folder / STATE).is_file():
+        if folder.is_dir() and (folder / STATE).is_file() and finished_layers(folder):
             _check_resumable(folder, identity, resume)
             print(f"[lowbit] resuming from {folder} ({finished_layers(folder)} layers already done)",
                   file=sys.stderr)
-            return cls(folder)
-        shutil.rmtree(folder, ignore_errors=True)  # a folder without state.json holds nothing usable
-        folder.mkdir(parents=True)
-        _write_json(folder / STATE, identity)
-        return cls(folder)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)  # nothing finished in it: nothing to keep
+        return cls(folder, identity)
 
     def step(self, index: int) -> "StepLayers":
-        return StepLayers(self.folder / f"step{index}")
+        return StepLayers(self.folder / f"step{index}", self._write_state)
+
+    def _write_state(self) -> None:
+        if not (self.folder / STATE).is_file():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            _write_json(self.folder / STATE, self.identity)
 
     def finish(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -81,14 +85,15 @@ def _check_resumable(folder: Path, identity: dict, resume: bool) -> None:
 class StepLayers:
     """One walk's finished layers (walker.LayerStore)."""
 
-    def __init__(self, folder: Path):
-        self.folder = folder
+    def __init__(self, folder: Path, before_first_save=lambda: None):
+        self.folder, self.before_first_save = folder, before_first_save
         progress = folder / PROGRESS
         saved = json.loads(progress.read_text()) if progress.is_file() else {"finished": 0, "results": []}
         self.finished: int = saved["finished"]
         self.results: list = saved["results"]
 
     def save(self, index: int, prefix: str, layer: nn.Module, result, hidden: Optional[list[torch.Tensor]]) -> None:
+        self.before_first_save()
         self.folder.mkdir(parents=True, exist_ok=True)
         tensors, qconfig = layer_tensors(prefix, layer)
         _save_tensors(tensors, self.folder / f"layer{index}.safetensors", {"qconfig": json.dumps(qconfig)})

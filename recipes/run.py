@@ -23,6 +23,7 @@ from lowbit.export import checkpoint
 from lowbit.export.model_card import write_model_card
 from lowbit.quantize.step import StepContext
 
+from .preflight import preflight
 from .resume import RunProgress
 from .schema import Recipe
 from .steps import STEPS
@@ -47,7 +48,9 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
     progress = RunProgress.open(output, recipe.to_dict(), resume)
     seconds: dict = {}
     timed = timer(seconds)
-    model, tokenizer, seconds["load_s"] = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code)
+    model, tokenizer, seconds["load_s"] = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
+                                                     allow_pickle=recipe.allow_pickle)
+    preflight(recipe, model, tokenizer)  # NaN weights, a tokenizer the protocol cannot use: before any work
     info = {"id": recipe.model, "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
             "model_type": model.config.model_type}
     baseline_bytes = model_weight_bytes(model, bytes_per_param=2)  # as a 16-bit checkpoint
@@ -75,7 +78,8 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
         reloaded, _ = checkpoint.load(output, trust_remote_code=recipe.trust_remote_code)
         quality = perplexity(reloaded, tokenizer, protocol)
         weight_bytes = checkpoint_weight_bytes(output)
-        reference = LazyModel(lambda: load_model(recipe.model, trust_remote_code=recipe.trust_remote_code)[0])
+        reference = LazyModel(lambda: load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
+                                                 allow_pickle=recipe.allow_pickle)[0])
         extras = evaluate_extras(reloaded, tokenizer, recipe.evaluate, model_name=recipe.model,
                                  weight_bytes=weight_bytes, baseline_weight_bytes=baseline_bytes,
                                  reference=reference, steps=steps)

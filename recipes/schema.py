@@ -1,6 +1,7 @@
 """The recipe: what a run does, validated on load (unknown keys, types, step names)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -9,6 +10,7 @@ import yaml
 
 from lowbit.calibrate.data import CalibrationConfig
 from lowbit.evaluate.config import EvaluateConfig
+from lowbit.export.checkpoint import check_plain_name
 from lowbit.export.config import ExportConfig
 
 from .steps import STEPS
@@ -29,6 +31,7 @@ class Recipe:
     description: str = ""
     model: str = "smollm2-135m"  # built-in name, local folder or hub id
     trust_remote_code: bool = False  # never on unless a recipe or flag asks for it
+    allow_pickle: bool = False  # *.bin weights, via torch.load(weights_only=True); else safetensors only
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     steps: tuple[Step, ...] = ()
     ignore: tuple[str, ...] = ("lm_head",)  # module names, trailing paths or re:REGEX
@@ -61,11 +64,10 @@ def load_recipe(name_or_path: str, overrides: tuple[str, ...] = ()) -> Recipe:
     path = recipe_path(name_or_path)
     source = str(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))  # safe_load: never runs code
-    except yaml.YAMLError as err:
-        raise RecipeError(source, "", f"not valid YAML: {err}") from None
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise RecipeError(source, "", "not a UTF-8 text file") from None
+    data = parse_yaml(text, source, "")
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -76,14 +78,39 @@ def load_recipe(name_or_path: str, overrides: tuple[str, ...] = ()) -> Recipe:
     return parse_recipe(data, source)
 
 
+def parse_yaml(text: str, source: str, key: str):
+    try:
+        return yaml.safe_load(text)  # safe_load: a !!python tag is an error, never code
+    except yaml.YAMLError as err:
+        raise RecipeError(source, key, f"not valid YAML: {err}") from None
+    except RecursionError:
+        raise RecipeError(source, key, "not valid YAML: nested too deeply") from None
+
+
 def parse_recipe(data: dict, source: str) -> Recipe:
     steps_data = data.get("steps", [])
     body = {k: v for k, v in data.items() if k != "steps"}
     recipe = build(Recipe, body, source)
+    _check_strings(recipe, source)
     if not isinstance(steps_data, list):
         raise RecipeError(source, "steps", "expected a list of steps such as '- rtn: {bits: 4}'")
     steps = tuple(parse_step(item, source, f"steps[{i}]") for i, item in enumerate(steps_data))
     return Recipe(**{**recipe.__dict__, "steps": steps})
+
+
+def _check_strings(recipe: Recipe, source: str) -> None:
+    """Values that later become a folder name or a regular expression, checked now."""
+    try:
+        check_plain_name(recipe.name, "recipe name")  # runs are written to <output root>/<name>
+    except ValueError as err:
+        raise RecipeError(source, "name", str(err)) from None
+    for i, pattern in enumerate(recipe.ignore):
+        if not pattern.startswith("re:"):
+            continue
+        try:
+            re.compile(pattern[3:])
+        except re.error as err:
+            raise RecipeError(source, f"ignore[{i}]", f"{pattern!r} is not a valid regular expression: {err}") from None
 
 
 def parse_step(item, source: str, key: str) -> Step:
@@ -102,7 +129,7 @@ def apply_override(data: dict, item: str, source: str) -> None:
     path, sep, raw = item.partition("=")
     if not sep or not path:
         raise RecipeError("--set", item, "expected key.path=value, e.g. calibration.samples=64")
-    value = yaml.safe_load(raw)
+    value = parse_yaml(raw, "--set", item)
     keys = path.split(".")
     node = data
     for i, k in enumerate(keys[:-1]):
@@ -110,8 +137,10 @@ def apply_override(data: dict, item: str, source: str) -> None:
     last = keys[-1]
     if isinstance(node, list):
         node[_index(node, last, path)] = value
-    else:
+    elif isinstance(node, dict):
         node[last] = value
+    else:
+        raise RecipeError("--set", path, f"cannot set a key inside {type(node).__name__}")
 
 
 def _descend(node, key: str, next_key: str, source: str, where: str):

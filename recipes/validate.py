@@ -65,6 +65,8 @@ def _scalar(hint, value, source, key):
     if hint is Any:
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) > 1e308:  # float() would raise OverflowError
+            raise RecipeError(source, key, f"{value} is too large for a number")
         return float(value)
     if hint in (int, float) and isinstance(value, bool):
         raise RecipeError(source, key, f"expected {hint.__name__}, got a boolean {value!r}")
