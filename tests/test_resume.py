@@ -132,3 +132,10 @@ def test_cli_resume_flag(tiny_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.undo()
     assert main(["run", str(recipe), "--output", str(tmp_path / "out"), "--resume", *sets]) == 0
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_run_failing_before_any_layer_leaves_no_resume_folder(tiny_dir, tmp_path):
+    recipe = recipe_file(tmp_path, tiny_dir, "  - gptq: {bits: 4, strategy: group, group_size: 48}\n")
+    with pytest.raises(ValueError, match="group"):
+        run(recipe, tmp_path / "out")
+    assert not resume.resume_dir(tmp_path / "out").exists() and not (tmp_path / "out").exists()
