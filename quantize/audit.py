@@ -213,8 +213,11 @@ def scale_problems(label: str, scale: torch.Tensor, storage_dtype: Optional[torc
 
 
 def _range_problems(label: str, values: torch.Tensor, lo: int, hi: int) -> list[str]:
+    vmin, vmax = torch.aminmax(values)  # one pass; counting only when something is outside
+    if vmin >= lo and vmax <= hi:
+        return []
     outside = int(((values < lo) | (values > hi)).sum())
-    return [f"{label}: {outside} values outside [{lo}, {hi}]"] if outside else []
+    return [f"{label}: {outside} values outside [{lo}, {hi}]"]
 
 
 def _zero_problems(label: str, zero: torch.Tensor, s: IntScheme) -> list[str]:

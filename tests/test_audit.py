@@ -123,6 +123,17 @@ def test_zero_point_outside_the_code_range_fails():
     assert report.problems == [f"{DOWN}.weight_zero: 1 values outside [-8, 7]"]
 
 
+def test_codes_outside_the_grid_fail(w4):
+    r, model = w4
+    codes = model.get_submodule(DOWN).weight_codes
+    codes[5, 7] += 100  # int4 codes lie in -8..7; int8 storage holds more
+    try:
+        report = audit(model, r)
+    finally:
+        codes[5, 7] -= 100
+    assert report.problems == [f"{DOWN}.weight_codes: 1 values outside [-8, 7]"]
+
+
 def test_missing_or_zero_kv_scale_fails_naming_the_layer():
     r = recipe({"rtn": W4}, {"kv_cache": {"scheme": "int8", "strategy": "head"}})
     model, _ = quantized(r)
