@@ -235,6 +235,8 @@ def check_kv(model: nn.Module, kv: Optional[KVCacheConfig], arch: Optional[Arch]
     if kv is None:
         return f"{have.scheme} {have.strategy}", [f"model: KV cache quantized ({have}) but no step asks for it"]
     described = f"{kv.scheme} {kv.strategy}"
+    if have is None:
+        return described, [f"model: no quantized KV cache attached, the recipe asks for {kv}"]
     if have != kv:
         return described, [f"model: KV cache config is {have}, the recipe asks for {kv}"]
     if not kv.static:

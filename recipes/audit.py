@@ -43,7 +43,7 @@ def expected_schemes(recipe: Recipe, model: nn.Module, arch: Arch):
     kv: Optional[KVCacheConfig] = None
     for step in recipe.steps:
         cfg = step.config
-        weights = cfg.scheme if isinstance(cfg, GPTQConfig) else cfg if isinstance(cfg, (IntScheme, FP8Config)) else None
+        weights = weight_scheme(cfg)
         if weights is not None:
             for name in targeted:
                 expected.setdefault(name, LinearScheme(weights))
@@ -57,6 +57,14 @@ def expected_schemes(recipe: Recipe, model: nn.Module, arch: Arch):
         if name not in expected:
             ignored[name] = "no weight step in the recipe quantizes it"
     return expected, ignored, kv
+
+
+def weight_scheme(cfg) -> Optional[IntScheme | FP8Config]:
+    """The weight grid a step's config quantizes to; None for steps that quantize no weights
+    (awq and smoothquant carry a grid too, but only to search their scales)."""
+    if isinstance(cfg, GPTQConfig):
+        return cfg.scheme
+    return cfg if isinstance(cfg, (IntScheme, FP8Config)) else None  # rtn's config is the IntScheme
 
 
 def audit_run(model: nn.Module, recipe: Recipe, arch: Arch, steps: list[dict]) -> AuditReport:
@@ -127,7 +135,8 @@ def schemes_from_config(model: nn.Module, qconfig: dict):
 def own_scheme(module: nn.Module) -> LinearScheme:
     if isinstance(module, QuantLinear):
         return LinearScheme(module.scheme, module.input_quant)
-    assert isinstance(module, FP8Linear)
+    if not isinstance(module, FP8Linear):
+        raise TypeError(f"{type(module).__name__} is not a quantized linear")
     return LinearScheme(FP8Config(format=module.fmt, weights=module.weight_strategy, block_size=module.block_size,
                                   activations=module.activations))
 

@@ -10,9 +10,8 @@ from torch import nn
 
 from tiny_models import make_tiny_model, save_tiny_llama
 from lowbit.calibrate.arch import arch_for
-from lowbit.quantize import fp8_step, input_quant, kv_cache, rtn
+from lowbit.quantize import rtn
 from lowbit.quantize.audit import AuditError, audit_model
-from lowbit.quantize.primitives import IntScheme
 from lowbit.quantize.step import StepContext
 from lowbit.recipes.audit import audit_run, expected_schemes
 from lowbit.recipes.cli import main
@@ -153,7 +152,7 @@ def test_kv_cache_missing_altogether_fails():
     r = recipe({"rtn": W4}, {"kv_cache": {"scheme": "fp8", "strategy": "tensor"}})
     model, _ = quantized(recipe({"rtn": W4}))  # the kv_cache step never ran
     report = audit(model, r)
-    assert len(report.problems) == 1 and "KV cache config is None" in report.problems[0]
+    assert len(report.problems) == 1 and "no quantized KV cache attached" in report.problems[0]
 
 
 def test_w8a8_static_inputs_are_checked():
@@ -191,6 +190,25 @@ def test_damping_retries_are_named(w4):
     report = audit(model, r, steps)
     assert report.passed and report.damping == [f"{DOWN}: Hessian needed extra damping (dampening_frac 0.1)"]
     assert any(line.startswith("damping") and DOWN in line for line in report.lines())
+
+
+def test_gptq_layers_that_needed_extra_damping_are_named(monkeypatch):
+    from lowbit.quantize import gptq
+
+    real, calls = gptq.inverse_hessian_factor, []
+
+    def retried_once_for_the_third_hessian(H, frac):
+        calls.append(H.shape)
+        U, used, retries = real(H, frac)
+        return (U, used * 10, retries + 1) if len(calls) == 3 else (U, used, retries)
+
+    monkeypatch.setattr(gptq, "inverse_hessian_factor", retried_once_for_the_third_hessian)
+    r = recipe({"gptq": {"bits": 4, "group_size": 32, "dampening_frac": 0.01}})
+    model, steps = quantized(r)
+    report = audit(model, r, steps)
+    # layer 0's hessians: [q,k,v] (shared), [o], [gate,up] (shared): the third is gate/up's
+    assert report.passed and report.damping == [
+        f"model.layers.0.mlp.{n}: Hessian needed extra damping (dampening_frac 0.1)" for n in ("gate_proj", "up_proj")]
 
 
 # --- inside a run, and `lowbit audit CHECKPOINT` ---------------------------------------------
