@@ -103,6 +103,7 @@ def _write(model, tokenizer, folder: Path, cfg: ExportConfig, extra_files) -> No
         (folder / name).write_text(text, encoding="utf-8")
     config = model.config.to_dict()
     config["dtype"] = cfg.dtype
+    config.pop("_name_or_path", None)  # where the source sat on this machine: not part of the checkpoint
     config.pop("quantization_config", None)
     if ct.is_quantized(model.get_output_embeddings()):
         config["tie_word_embeddings"] = False  # a quantized head no longer shares the float embedding

@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_eval_commands(sub) -> None:
-    from .commands import cmd_eval, cmd_report, cmd_sweep
+    from .commands import cmd_audit, cmd_eval, cmd_report, cmd_sweep
 
     ev = sub.add_parser("eval", help="evaluate a built-in model, HF folder or lowbit checkpoint")
     ev.add_argument("target", metavar="MODEL_OR_CHECKPOINT")
@@ -82,6 +82,10 @@ def _add_eval_commands(sub) -> None:
     sw.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                     help="override a value in every recipe, e.g. --set evaluate.speed.enabled=true")
     sw.set_defaults(handler=cmd_sweep)
+    au = sub.add_parser("audit", help="check a checkpoint's coverage: every targeted linear quantized, scales "
+                        "finite and positive, KV scales set (exit 0 clean, 1 failed, 2 bad input)")
+    au.add_argument("checkpoint", metavar="CHECKPOINT")
+    au.set_defaults(handler=cmd_audit)
 
 
 def _cmd_run(args) -> int:
@@ -121,6 +125,8 @@ def _print_summary(r: dict, output: Path) -> None:
         print(f"perplexity  quantized {q['perplexity']:.3f}")
     print(f"weights     {m['weight_bytes'] / 2**20:.1f} MiB (16-bit baseline {m['baseline_weight_bytes'] / 2**20:.1f} MiB)")
     print("time        " + "  ".join(f"{k[:-2]} {v:.1f}s" for k, v in t.items()))
+    if "audit" in r:  # a failed audit stops the run before export, so this one passed
+        print(f"audit       passed: {r['audit']['checked']} linears checked, {len(r['audit']['ignored'])} left float")
     print(f"checkpoint  {output}  (results.json beside it)")
 
 

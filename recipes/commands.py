@@ -1,4 +1,4 @@
-"""The `lowbit eval`, `lowbit report` and `lowbit sweep` commands."""
+"""The `lowbit eval`, `lowbit report`, `lowbit sweep` and `lowbit audit` commands."""
 from __future__ import annotations
 
 import json
@@ -46,6 +46,17 @@ def cmd_sweep(args) -> int:
     report = write_report(load_runs(dirs), root / "report.html", labels=[r.name for r in recipes])
     print(f"report      {report} and {report.with_suffix('.md')} ({len(dirs)} runs)")
     return 0
+
+
+def cmd_audit(args) -> int:
+    """Exit 0 when the checkpoint passes the coverage audit, 1 when it fails (bad input: 2, from main)."""
+    from .audit import audit_checkpoint
+
+    report = audit_checkpoint(args.checkpoint)
+    print(f"audit       {args.checkpoint}: {report.headline()}")
+    for line in report.lines():
+        print(f"  {line}")
+    return 0 if report.passed else 1
 
 
 def cmd_eval(args) -> int:

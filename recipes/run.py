@@ -23,6 +23,7 @@ from lowbit.export import checkpoint
 from lowbit.export.model_card import write_model_card
 from lowbit.quantize.step import StepContext
 
+from .audit import audit_run
 from .preflight import preflight
 from .resume import RunProgress
 from .schema import Recipe
@@ -69,6 +70,8 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
             detail = STEPS[step.name].apply(ctx, step.config)
         steps.append({"name": step.name, "seconds": time.perf_counter() - start, **detail})
     seconds["quantize_s"] = seconds.get("quantize_s", 0.0) - seconds.get("calibrate_s", 0.0)
+    audit = audit_run(model, recipe, arch, steps)  # before export: a failed audit publishes nothing
+    audit.raise_if_failed()
     with timed("export_s"):
         checkpoint.save(model, tokenizer, output, recipe.export,
                         extra_files={"recipe.yaml": yaml.safe_dump(recipe.to_dict(), sort_keys=False)})
@@ -98,6 +101,7 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
         "timing": {k: round(seconds.get(k, 0.0), 3) for k in
                    ("load_s", "calibrate_s", "quantize_s", "export_s", "evaluate_s")},
         "steps": steps,
+        "audit": audit.to_dict(),
         **extras,  # speed, baselines (bitsandbytes), when enabled
     }
     (output / "results.json").write_text(json.dumps(results, indent=2))

@@ -1,0 +1,283 @@
+"""Coverage audit: every targeted linear quantized as its scheme says, with usable scales.
+
+A pure check over a model and what it should hold (`LinearScheme` per targeted linear, the KV
+config): it reads modules and tensors and changes nothing. Problems name the module and what is
+wrong; linears left float are listed with the reason, so none is skipped silently. Which
+linears a recipe targets and with what scheme is the caller's knowledge (recipes/audit.py).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from lowbit.calibrate.arch import Arch, arch_for, is_linear, target_linears
+
+from .activation import InputQuant
+from .fp8_linear import FP8Linear
+from .fp8_step import FP8Config
+from .kv_cache import SCALE_NAMES, attention_modules
+from .kv_quant import KVCacheConfig
+from .primitives import IntScheme
+from .qlinear import QuantLinear
+from .targets import is_ignored
+
+MAX_LISTED = 10  # problems quoted in the error message; the report keeps all of them
+
+
+class AuditError(ValueError):
+    """A quantized model that does not hold what its recipe asked for."""
+
+
+@dataclass(frozen=True)
+class LinearScheme:
+    """What one targeted linear should be once every step has run."""
+
+    weights: Union[IntScheme, FP8Config]
+    inputs: Optional[InputQuant] = None  # integer weights only; None: inputs stay float
+
+    def describe(self) -> str:
+        return describe_int(self.weights, self.inputs) if isinstance(self.weights, IntScheme) \
+            else describe_fp8(self.weights.format, self.weights.weights, self.weights.activations)
+
+
+def describe_int(s: IntScheme, inputs: Optional[InputQuant] = None) -> str:
+    group = f" {s.group_size}" if s.group_size else ""
+    act = "" if inputs is None else f" + int{inputs.bits} {'per-token' if inputs.dynamic else 'static'} inputs"
+    return f"int{s.bits} {'sym' if s.symmetric else 'asym'} {s.strategy}{group}{act}"
+
+
+def describe_fp8(fmt: str, weights: str, activations: str) -> str:
+    return f"fp8 {fmt} {weights}, activations {activations}"
+
+
+def describe_module(module: nn.Module) -> str:
+    if isinstance(module, QuantLinear):
+        return describe_int(module.scheme, module.input_quant)
+    if isinstance(module, FP8Linear):
+        return describe_fp8(module.fmt, module.weight_strategy, module.activations)
+    return f"float {type(module).__name__}"
+
+
+def is_quantized_linear(module: nn.Module) -> bool:
+    return isinstance(module, (QuantLinear, FP8Linear))
+
+
+@dataclass
+class AuditReport:
+    checked: dict[str, str] = field(default_factory=dict)  # targeted linear -> its expected scheme
+    ignored: dict[str, str] = field(default_factory=dict)  # linear left float -> why
+    problems: list[str] = field(default_factory=list)  # "<module>: <what is wrong>"
+    damping: list[str] = field(default_factory=list)  # layers whose Hessian needed extra damping
+    kv: Optional[str] = None  # the KV-cache scheme checked, if any
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def counts(self) -> dict[str, int]:
+        return dict(sorted(Counter(self.checked.values()).items()))
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "checked": len(self.checked), "schemes": self.counts(),
+                "ignored": dict(self.ignored), "kv_cache": self.kv, "problems": list(self.problems),
+                "damping": list(self.damping)}
+
+    def headline(self) -> str:
+        kv = f", KV cache {self.kv}" if self.kv else ""
+        verdict = "passed" if self.passed else f"FAILED ({len(self.problems)} problems)"
+        return f"{verdict}: {len(self.checked)} linears checked, {len(self.ignored)} left float{kv}"
+
+    def lines(self) -> list[str]:
+        """A readable summary: one line per scheme, float linear, damping note and problem."""
+        out = [f"{n:4d}  {scheme}" for scheme, n in self.counts().items()]
+        out += [f"float     {name}: {why}" for name, why in self.ignored.items()]
+        out += [f"damping   {note}" for note in self.damping]
+        out += [f"PROBLEM   {p}" for p in self.problems]
+        return out
+
+    def raise_if_failed(self) -> None:
+        if self.passed:
+            return
+        listed = "\n".join(f"  - {p}" for p in self.problems[:MAX_LISTED])
+        more = f"\n  … and {len(self.problems) - MAX_LISTED} more" if len(self.problems) > MAX_LISTED else ""
+        raise AuditError(f"coverage audit failed: {len(self.problems)} problem(s) in "
+                         f"{len(self.checked)} checked linears:\n{listed}{more}")
+
+
+def audit_model(model: nn.Module, expected: dict[str, LinearScheme], ignored: dict[str, str],
+                kv: Optional[KVCacheConfig] = None, arch: Optional[Arch] = None,
+                storage_dtype: Optional[torch.dtype] = None, damping: tuple[str, ...] = ()) -> AuditReport:
+    """Check `model` against `expected` (name -> scheme) and `kv`.
+
+    ignored: linears meant to stay float, with the reason. Any other float linear is added to
+    the report's ignored list as not targeted; a quantized one nobody asked for is a problem.
+    storage_dtype: the dtype scales are written in; a scale that becomes 0 or inf there fails.
+    """
+    report = AuditReport(ignored=dict(ignored), damping=list(damping))
+    for name, scheme in expected.items():
+        report.checked[name] = scheme.describe()
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            report.problems.append(f"{name}: no such module in the model")
+            continue
+        report.problems += check_linear(name, module, scheme, storage_dtype)
+    for name, module in model.named_modules():
+        if name in expected or not (is_linear(module) or is_quantized_linear(module)):
+            continue
+        if is_quantized_linear(module):
+            why = f"(listed as ignored: {ignored[name]})" if name in ignored else "but no step targets it"
+            report.problems.append(f"{name}: quantized ({describe_module(module)}) {why}")
+        elif name not in report.ignored:
+            report.ignored[name] = "not targeted: not one of the architecture table's decoder-layer linears"
+    if kv is not None or getattr(model, "lowbit_kv_cache", None) is not None:
+        report.kv, kv_problems = check_kv(model, kv, arch)
+        report.problems += kv_problems
+    return report
+
+
+def check_linear(name: str, module: nn.Module, scheme: LinearScheme,
+                 storage_dtype: Optional[torch.dtype] = None) -> list[str]:
+    expected = scheme.describe()
+    if isinstance(scheme.weights, IntScheme):
+        if not isinstance(module, QuantLinear):
+            return [f"{name}: is {describe_module(module)}, the recipe asks for {expected}"]
+        return _check_int(name, module, scheme, storage_dtype)
+    if not isinstance(module, FP8Linear):
+        return [f"{name}: is {describe_module(module)}, the recipe asks for {expected}"]
+    return _check_fp8(name, module, scheme.weights, storage_dtype)
+
+
+def _check_int(name: str, m: QuantLinear, scheme: LinearScheme, storage_dtype) -> list[str]:
+    s = scheme.weights
+    if m.scheme != s or m.input_quant != scheme.inputs:
+        return [f"{name}: quantized as {describe_module(m)}, the recipe asks for {scheme.describe()}"]
+    rows = 1 if s.strategy == "tensor" else m.out_features
+    shape = (rows, s.num_groups(m.in_features))
+    if tuple(m.weight_scale.shape) != shape:
+        return [f"{name}: weight_scale has shape {tuple(m.weight_scale.shape)}, {s.strategy} needs {shape}"]
+    problems = scale_problems(f"{name}.weight_scale", m.weight_scale, storage_dtype)
+    problems += _range_problems(f"{name}.weight_codes", m.weight_codes, s.qmin, s.qmax)
+    if s.symmetric != (m.weight_zero is None):
+        problems.append(f"{name}: {'symmetric' if s.symmetric else 'asymmetric'} scheme but "
+                        f"{'a' if m.weight_zero is not None else 'no'} zero point")
+    elif m.weight_zero is not None:
+        problems += _zero_problems(f"{name}.weight_zero", m.weight_zero, s)
+    if m.weight_g_idx is not None:
+        problems += _range_problems(f"{name}.weight_g_idx", m.weight_g_idx, 0, shape[1] - 1)
+    if scheme.inputs is not None and not scheme.inputs.dynamic:
+        problems += _static_input_problems(name, m.input_scale, storage_dtype)
+    return problems
+
+
+def _check_fp8(name: str, m: FP8Linear, cfg: FP8Config, storage_dtype) -> list[str]:
+    want = (cfg.format, cfg.weights, cfg.activations, cfg.block_size if cfg.weights == "block" else None)
+    have = (m.fmt, m.weight_strategy, m.activations, m.block_size if m.weight_strategy == "block" else None)
+    if want != have:
+        return [f"{name}: quantized as {describe_module(m)}, the recipe asks for "
+                f"{describe_fp8(cfg.format, cfg.weights, cfg.activations)}"]
+    problems = scale_problems(f"{name}.weight_scale", m.weight_scale, storage_dtype)
+    nan = int(torch.isnan(m.weight.float()).sum())
+    if nan:
+        problems.append(f"{name}.weight: {nan} NaN of {m.weight.numel()} FP8 values")
+    if cfg.activations == "static":
+        problems += _static_input_problems(name, m.input_scale, storage_dtype)
+    return problems
+
+
+def _static_input_problems(name: str, input_scale, storage_dtype) -> list[str]:
+    if input_scale is None:
+        return [f"{name}: static input quantization but no input_scale"]
+    return scale_problems(f"{name}.input_scale", input_scale, storage_dtype)
+
+
+def scale_problems(label: str, scale: torch.Tensor, storage_dtype: Optional[torch.dtype] = None) -> list[str]:
+    """NaN, inf, zero or negative entries of a scale, also after a cast to its storage dtype."""
+    t = scale.detach().float()
+    n = t.numel()
+    bad = {"NaN": torch.isnan(t), "inf": torch.isinf(t), "zero": t == 0, "negative": t < 0}
+    found = [f"{int(mask.sum())} {kind}" for kind, mask in bad.items() if mask.any()]
+    if found:
+        return [f"{label}: {', '.join(found)} of {n} values"]
+    if storage_dtype is not None and storage_dtype != torch.float32:
+        stored = t.to(storage_dtype).float()
+        lost = int(((stored == 0) | torch.isinf(stored)).sum())
+        if lost:
+            return [f"{label}: {lost} of {n} values become 0 or inf in {str(storage_dtype).replace('torch.', '')} "
+                    f"(range {t.min().item():.3g} .. {t.max().item():.3g})"]
+    return []
+
+
+def _range_problems(label: str, values: torch.Tensor, lo: int, hi: int) -> list[str]:
+    vmin, vmax = torch.aminmax(values)  # one pass; counting only when something is outside
+    if vmin >= lo and vmax <= hi:
+        return []
+    outside = int(((values < lo) | (values > hi)).sum())
+    return [f"{label}: {outside} values outside [{lo}, {hi}]"]
+
+
+def _zero_problems(label: str, zero: torch.Tensor, s: IntScheme) -> list[str]:
+    z = zero.detach().float()
+    if not torch.isfinite(z).all():
+        return [f"{label}: {int((~torch.isfinite(z)).sum())} NaN or inf zero points"]
+    if not torch.equal(z, z.round()):
+        return [f"{label}: zero points are not integers"]
+    return _range_problems(label, z, s.qmin, s.qmax)
+
+
+def check_kv(model: nn.Module, kv: Optional[KVCacheConfig], arch: Optional[Arch]) -> tuple[str, list[str]]:
+    """(description, problems) of the KV-cache scales on every attention layer."""
+    have = getattr(model, "lowbit_kv_cache", None)
+    if kv is None:
+        return f"{have.scheme} {have.strategy}", [f"model: KV cache quantized ({have}) but no step asks for it"]
+    described = f"{kv.scheme} {kv.strategy}"
+    if have is None:
+        return described, [f"model: no quantized KV cache attached, the recipe asks for {kv}"]
+    if have != kv:
+        return described, [f"model: KV cache config is {have}, the recipe asks for {kv}"]
+    if not kv.static:
+        return described, []  # per-token scales are computed at run time: nothing stored
+    names = {id(m): n for n, m in model.named_modules()}
+    text = model.config.get_text_config(decoder=True)
+    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    size = 1 if kv.strategy == "tensor" else heads
+    problems = []
+    for attn in attention_modules(model, arch or arch_for(model)):
+        for attr in SCALE_NAMES:
+            label = f"{names[id(attn)]}.{attr}"
+            value = getattr(attn, attr, None)
+            if not isinstance(value, torch.Tensor):
+                problems.append(f"{label}: missing (the KV cache needs a calibrated scale per layer)")
+                continue
+            if size is not None and value.numel() != size:
+                problems.append(f"{label}: {value.numel()} values, strategy {kv.strategy} needs {size}")
+            problems += scale_problems(label, value)
+    return described, problems
+
+
+def planned_targets(model: nn.Module, arch: Arch, ignore: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+    """Which linears a recipe's weight steps target (whatever they are now), and which it ignores
+    with the reason: select_targets' choice, readable after quantization has replaced them."""
+    found = list(target_linears(model, arch))
+    head = getattr(model, "lm_head", None)
+    if head is not None and (is_linear(head) or is_quantized_linear(head)):
+        found.append("lm_head")
+    targeted, ignored = [], {}
+    for name in found:
+        pattern = next((p for p in ignore if is_ignored(name, (p,))), None)
+        if pattern is None:
+            targeted.append(name)
+        else:
+            ignored[name] = f"matches the recipe's ignore pattern {pattern!r}"
+    return targeted, ignored
+
+
+def damping_notes(steps: list[dict]) -> list[str]:
+    """Layers whose Hessian needed more damping than asked, from the steps' results (GPTQ's
+    `damping_retries`)."""
+    return [f"{r['linear']}: Hessian needed extra damping (dampening_frac {r['dampening_frac']:g})"
+            for step in steps for r in step.get("damping_retries") or []]

@@ -1,0 +1,148 @@
+"""The coverage audit with a recipe's knowledge: what each step should have left on the model.
+
+`audit_run` checks the in-memory model at the end of a run (before export, so a failed audit
+publishes nothing); `audit_checkpoint` checks a written checkpoint against its recipe.yaml, or,
+for checkpoints without one (other tools' compressed-tensors), against its config.json.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+from torch import nn
+
+from lowbit.calibrate.arch import Arch, arch_for, is_linear
+from lowbit.export import checkpoint, kv_scales
+from lowbit.quantize.activation import InputQuant
+from lowbit.quantize.audit import (AuditReport, LinearScheme, audit_model, damping_notes, is_quantized_linear,
+                                   planned_targets)
+from lowbit.quantize.fp8_linear import FP8Linear
+from lowbit.quantize.fp8_step import FP8Config
+from lowbit.quantize.gptq import GPTQConfig
+from lowbit.quantize.input_quant import InputQuantConfig
+from lowbit.quantize.kv_quant import KVCacheConfig
+from lowbit.quantize.primitives import IntScheme
+from lowbit.quantize.qlinear import QuantLinear
+
+from .schema import Recipe, parse_recipe
+
+RECIPE_FILE, RESULTS_FILE = "recipe.yaml", "results.json"
+
+
+def expected_schemes(recipe: Recipe, model: nn.Module, arch: Arch):
+    """(name -> LinearScheme, ignored name -> reason, KV config or None) that the recipe's steps
+    should leave: the first weight step quantizes every targeted linear (later ones find them
+    already quantized, as select_targets skips them), quantize_inputs adds int8 inputs to the
+    integer ones, kv_cache sets the KV scheme; awq and smoothquant only fold scales."""
+    targeted, ignored = planned_targets(model, arch, recipe.ignore)
+    expected: dict[str, LinearScheme] = {}
+    kv: Optional[KVCacheConfig] = None
+    for step in recipe.steps:
+        cfg = step.config
+        weights = weight_scheme(cfg)
+        if weights is not None:
+            for name in targeted:
+                expected.setdefault(name, LinearScheme(weights))
+        elif isinstance(cfg, InputQuantConfig):
+            inputs = InputQuant(cfg.bits, cfg.dynamic)
+            expected = {n: LinearScheme(s.weights, inputs) if isinstance(s.weights, IntScheme) else s
+                        for n, s in expected.items()}
+        elif isinstance(cfg, KVCacheConfig):
+            kv = cfg
+    for name in targeted:
+        if name not in expected:
+            ignored[name] = "no weight step in the recipe quantizes it"
+    return expected, ignored, kv
+
+
+def weight_scheme(cfg) -> Optional[IntScheme | FP8Config]:
+    """The weight grid a step's config quantizes to; None for steps that quantize no weights
+    (awq and smoothquant carry a grid too, but only to search their scales)."""
+    if isinstance(cfg, GPTQConfig):
+        return cfg.scheme
+    return cfg if isinstance(cfg, (IntScheme, FP8Config)) else None  # rtn's config is the IntScheme
+
+
+def audit_run(model: nn.Module, recipe: Recipe, arch: Arch, steps: list[dict]) -> AuditReport:
+    """Audit the model a run has just quantized; scales are judged in the export dtype."""
+    expected, ignored, kv = expected_schemes(recipe, model, arch)
+    return audit_model(model, expected, ignored, kv, arch, storage_dtype=getattr(torch, recipe.export.dtype),
+                       damping=tuple(damping_notes(steps)))
+
+
+def audit_checkpoint(folder: str | Path) -> AuditReport:
+    """Load a checkpoint and audit it against its recipe.yaml, else against its config.json.
+
+    Raises FileNotFoundError / ValueError when the folder is not a readable checkpoint."""
+    folder = Path(folder)
+    if not checkpoint.is_checkpoint(folder):
+        raise FileNotFoundError(f"{folder}: not a checkpoint folder (needs config.json and model.safetensors "
+                                "or model.safetensors.index.json)")
+    model = _load(folder)
+    arch = arch_for(model)
+    results = folder / RESULTS_FILE
+    steps = json.loads(results.read_text(encoding="utf-8")).get("steps", []) if results.is_file() else []
+    recipe_file = folder / RECIPE_FILE
+    extra: list[str] = []
+    if recipe_file.is_file():
+        data = yaml.safe_load(recipe_file.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"{recipe_file}: not a recipe mapping")
+        expected, ignored, kv = expected_schemes(parse_recipe(data, str(recipe_file)), model, arch)
+    else:
+        config = json.loads((folder / checkpoint.CONFIG).read_text(encoding="utf-8"))
+        expected, ignored, extra = schemes_from_config(model, config.get("quantization_config") or {})
+        saved = config.get(kv_scales.KEY)
+        kv = KVCacheConfig(**saved) if saved else None
+    report = audit_model(model, expected, ignored, kv, arch, damping=tuple(damping_notes(steps)))
+    report.problems += extra
+    return report
+
+
+def _load(folder: Path) -> nn.Module:
+    try:
+        return checkpoint.load(folder)[0]
+    except (ValueError, FileNotFoundError):
+        raise
+    except Exception as err:  # transformers raises OSError, KeyError, ... on a broken folder
+        raise ValueError(f"{folder}: cannot load as a checkpoint: {type(err).__name__}: {err}") from err
+
+
+def schemes_from_config(model: nn.Module, qconfig: dict):
+    """Without a recipe: each quantized module is expected to be what it is (its scales are still
+    checked); a float linear must be in quantization_config.ignore when a config group targets it.
+    Returns (expected, ignored, problems)."""
+    expected = {n: own_scheme(m) for n, m in model.named_modules() if is_quantized_linear(m)}
+    ignored, problems = {}, []
+    patterns = qconfig.get("ignore") or []
+    targets = [t for g in (qconfig.get("config_groups") or {}).values() for t in g.get("targets") or []]
+    for name, module in model.named_modules():
+        if not is_linear(module):
+            continue
+        if any(_matches(name, module, p) for p in patterns):
+            ignored[name] = "in quantization_config.ignore"
+        elif any(_matches(name, module, t) for t in targets):
+            problems.append(f"{name}: float, but quantization_config targets it and does not ignore it")
+        else:
+            ignored[name] = "not targeted by quantization_config"
+    return expected, ignored, problems
+
+
+def own_scheme(module: nn.Module) -> LinearScheme:
+    if isinstance(module, QuantLinear):
+        return LinearScheme(module.scheme, module.input_quant)
+    if not isinstance(module, FP8Linear):
+        raise TypeError(f"{type(module).__name__} is not a quantized linear")
+    return LinearScheme(FP8Config(format=module.fmt, weights=module.weight_strategy, block_size=module.block_size,
+                                  activations=module.activations))
+
+
+def _matches(name: str, module: nn.Module, target: str) -> bool:
+    """compressed-tensors' matching: a module name, `re:` + regex (re.match), or a class name."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name or target == type(module).__name__
