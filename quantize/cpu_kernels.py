@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,10 +62,28 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
+def pack_int4_b64(codes: torch.Tensor) -> torch.Tensor:
+    """Signed codes (N, K) in [-8, 8) -> (N, K/2) uint8 for gemv_int4_bf16: in each 32-byte
+    block, byte j holds weight j (low nibble) and weight j + 32 (high nibble), both as code + 8."""
+    n, k = codes.shape
+    u = (codes.to(torch.int16) + 8).to(torch.uint8).reshape(n, k // 64, 2, 32)
+    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
 def scale_offset(scale: torch.Tensor, zero: torch.Tensor | None, code_shift: int) -> torch.Tensor:
     """(N, G, 2) float32: w = u * s + b for a stored code u = q + code_shift, b = -(shift + z) * s."""
     shift = torch.full_like(scale, float(code_shift)) if zero is None else code_shift + zero.float()
     return torch.stack([scale.float(), -shift * scale.float()], dim=-1).contiguous()
+
+
+def bf16_dot_available() -> bool:
+    """Whether 4-bit layers may use the bf16 dot-product kernel: the CPU has AVX512-BF16 and
+    LOWBIT_CPU_BF16_DOT is not 0. It rounds activations to bf16 (W4A16's 16-bit activations),
+    so its results differ from the float32 reference by bf16 rounding (~0.4% relative)."""
+    if os.environ.get("LOWBIT_CPU_BF16_DOT", "1") == "0":
+        return False
+    ext = load()
+    return ext is not None and bool(ext.has_avx512_bf16())
 
 
 MAX_ROWS = 16  # activation rows per call the kernels take; larger (prefill) runs the reference
@@ -77,6 +96,7 @@ class CpuLayout:
     sb: torch.Tensor  # (N, G, 2) float32 scale and offset
     group: int  # input columns per scale
     perm: Optional[torch.Tensor]  # (K,) input order that makes act-order groups contiguous
+    bf16_dot: bool = False  # 4-bit with bf16 activations and vdpbf16ps (pack_int4_b64 layout)
 
 
 def layout_for(module) -> CpuLayout | str:
@@ -96,6 +116,8 @@ def layout_for(module) -> CpuLayout | str:
     scale, zero = module.weight_scale, module.weight_zero
     scale = scale.expand(n, k // group)  # per-tensor (1, 1) becomes one scale per row
     zero = None if zero is None else zero.expand(n, k // group)
+    if bits == 4 and bf16_dot_available() and group % 64 == 0:
+        return CpuLayout(4, pack_int4_b64(codes), scale_offset(scale, zero, 8), group, perm, bf16_dot=True)
     if bits == 4:
         return CpuLayout(4, pack_int4(codes), scale_offset(scale, zero, 8), group, perm)
     return CpuLayout(8, codes.contiguous(), scale_offset(scale, zero, 0), group, perm)
@@ -106,7 +128,7 @@ class CpuKernel:
 
     def __init__(self, ext, layout: CpuLayout, bias: Optional[torch.Tensor]):
         self.layout, self.bias = layout, None if bias is None else bias.float()
-        self.fn = ext.gemv_int4 if layout.bits == 4 else ext.gemv_int8
+        self.fn = ext.gemv_int8 if layout.bits == 8 else ext.gemv_int4_bf16 if layout.bf16_dot else ext.gemv_int4
         self.nbytes = sum(t.nbytes for t in (layout.weight, layout.sb, bias) if t is not None)  # read per call
 
     def accepts(self, x: torch.Tensor) -> bool:

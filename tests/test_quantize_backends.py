@@ -39,12 +39,20 @@ def make_layer(out: int, inp: int, scheme: IntScheme, bias: bool = True, seed: i
 
 
 def assert_matches_reference(layer: QuantLinear, x: torch.Tensor, backend: str, rtol: float = 1e-5):
+    """The kernel's output equals the reference path's to rtol (of the largest output). A 4-bit
+    kernel with bf16 dot products rounds x to bf16 first (W4A16: 16-bit activations); it must
+    then equal the reference on that rounded x just as tightly (1e-4: fp32 sums in another
+    order), and the unrounded reference to bf16 precision."""
     expected = layer(x)  # no kernel attached yet: the reference path
+    expected_bf16_x = layer(x.bfloat16().to(x.dtype))
     chosen = backends.prepare(layer, backend)
     assert chosen[""] == backend, chosen
     got = layer(x)
     assert got.shape == expected.shape and got.dtype == expected.dtype
     scale = expected.abs().max().item()
+    if getattr(getattr(layer.kernel, "layout", None), "bf16_dot", False):
+        assert (got - expected_bf16_x).abs().max().item() <= max(rtol, 1e-4) * scale + 1e-6
+        rtol = max(rtol, 1e-2)
     assert (got - expected).abs().max().item() <= rtol * scale + 1e-6
 
 
@@ -83,6 +91,19 @@ def test_cpu_kernels_follow_act_order_groups(bits):
     g_idx = torch.randperm(256, generator=torch.Generator().manual_seed(2)) // 32  # shuffled groups
     layer.weight_g_idx = g_idx.to(torch.int32)
     assert_matches_reference(layer, torch.randn(3, 256), "cpu_avx512")
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("group", [64, 128, None])
+def test_4bit_layers_use_bf16_dot_products_where_the_cpu_has_them(group, monkeypatch):
+    scheme = IntScheme(4, group is None, "channel" if group is None else "group", group)
+    layer = make_layer(72, 512, scheme)
+    backends.prepare(layer, "cpu_avx512")
+    assert layer.kernel.layout.bf16_dot == cpu_kernels.bf16_dot_available()
+    monkeypatch.setenv("LOWBIT_CPU_BF16_DOT", "0")  # the opt-out gives the float32-activation kernel
+    backends.prepare(layer, "cpu_avx512")
+    assert not layer.kernel.layout.bf16_dot
+    assert_matches_reference(make_layer(72, 512, scheme), torch.randn(3, 512), "cpu_avx512")
 
 
 @needs_cpu_kernels

@@ -170,7 +170,77 @@ torch::Tensor gemv_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sb, 
   return y;
 }
 
+// ---- int4 weights x bf16 activations with AVX512-BF16 dot products (vdpbf16ps) ----
+// A nibble u becomes the bf16 value 128 + u by OR-ing 0x4300 into its 16-bit lane (bf16 has 7
+// mantissa bits, so 128..143 are exact): one zero-extension and two ALU ops decode 64 weights,
+// with no table lookups, and one vdpbf16ps does 32 multiply-adds. Per group g the dot product
+// D = sum (128 + u) x is corrected with the group's activation sum X (from the same bf16 x):
+// sum w x = s (D - 128 X) + b X. Layout int4b: (N, K/2) uint8; in each 32-byte block byte j
+// holds weight j (low nibble) and weight j + 32 (high nibble), as code + 8.
+namespace {
+
+template <int MB>
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void int4_bf16_row(const uint16_t* xb, int64_t ldx, const float* xsum, int64_t G, const uint8_t* w,
+                   const float* sb, int64_t K, int64_t group, float* y, int64_t ldy) {
+  const __m512i mask = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+  __m512 total[MB];
+  float corr[MB];
+  for (int m = 0; m < MB; ++m) { total[m] = _mm512_setzero_ps(); corr[m] = 0.f; }
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[MB][2];
+    for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t k = g * group; k < (g + 1) * group; k += 64) {
+      const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(w + k / 2)));
+      const __m512i lo = _mm512_or_si512(_mm512_and_si512(words, mask), bias);
+      const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(words, 4), bias);
+      for (int m = 0; m < MB; ++m) {
+        const uint16_t* xm = xb + m * ldx + k;
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xm));
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xm + 32));
+      }
+    }
+    const float s = sb[2 * g], b = sb[2 * g + 1];
+    for (int m = 0; m < MB; ++m) {
+      total[m] = _mm512_fmadd_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_set1_ps(s), total[m]);
+      corr[m] += (b - 128.f * s) * xsum[m * G + g];
+    }
+  }
+  for (int m = 0; m < MB; ++m) y[m * ldy] = _mm512_reduce_add_ps(total[m]) + corr[m];
+}
+
+}  // namespace
+
+bool has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
+
+torch::Tensor gemv_int4_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor sb, int64_t group) {
+  const int64_t M = x.size(0), N = packed.size(0), K = packed.size(1) * 2, G = K / group;
+  TORCH_CHECK(has_avx512_bf16(), "this CPU has no AVX512-BF16");
+  check_inputs(x, sb, K, group, 64);
+  TORCH_CHECK(group % 64 == 0, "group ", group, " is not a multiple of 64");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
+  // x rounded to bf16 once per call, and its per-group sums from those same rounded values
+  auto xb = x.to(torch::kBFloat16).contiguous();
+  auto xsum = xb.to(torch::kFloat).reshape({M, G, group}).sum(-1).contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const float* xs = xsum.data_ptr<float>();
+  const float* sbp = sb.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for_row_blocks(M, [&](auto mb, int64_t m) {
+        int4_bf16_row<decltype(mb)::value>(xp + m * K, K, xs + m * G, G, wp + n * (K / 2), sbp + n * G * 2,
+                                           K, group, yp + m * N + n, N);
+      });
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_int4", &gemv_int4, "y = x @ W^T with W packed int4 (per-group scale and offset)");
   m.def("gemv_int8", &gemv_int8, "y = x @ W^T with W int8 codes (per-group scale and offset)");
+  m.def("gemv_int4_bf16", &gemv_int4_bf16, "y = x @ W^T, W packed int4 (64-column blocks), x rounded to bf16");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "whether this CPU runs gemv_int4_bf16");
 }
