@@ -22,6 +22,10 @@ and b bytes per activation (4 for float32):
   the model itself      as loaded (only the current layer must sit on the compute device)
 smollm2-135m, S=64, L=512, d=576, f=1536, m=8, float32: ~150 MB of hidden states, ~110 MB per
 micro-batch, on top of the 540 MB model.
+
+With `forward_dtype` the layer forwards run under autocast (bf16 matmuls; hidden states between
+layers keep their dtype). With a `store` (LayerStore) every finished layer is checkpointed and a
+resumed walk restores the layers an interrupted one finished instead of recomputing them.
 """
 from __future__ import annotations
 
