@@ -26,14 +26,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.calibrate.arch import arch_for
-from lowbit.quantize import backends, rtn
+from lowbit.quantize import backends, fp8_step, input_quant, rtn
 from lowbit.quantize.primitives import IntScheme
 from lowbit.quantize.qlinear import QuantLinear
 from lowbit.quantize.step import StepContext
 
-SCHEMES = {  # weight-only schemes; W8A8 and FP8 join when their runtime modules exist
+SCHEMES = {  # weights by RTN; w8a8 adds per-token INT8 inputs (torch._int_mm), fp8 is E4M3 W8A8
     "w8a16": IntScheme(8, True, "channel"),
     "w4a16": IntScheme(4, True, "group", 128),  # group 64 where 128 does not divide a layer
+    "w8a8": IntScheme(8, True, "channel"),
+    "fp8": None,
 }
 BASELINES = ("fp32", "bf16")
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -116,15 +118,21 @@ def load(name: str, layers: int):
     return load_model(name)[0]
 
 
-def quantized_copy(model: nn.Module, scheme: IntScheme, ignore: tuple[str, ...], share: bool) -> nn.Module:
-    """RTN-quantized copy; with share, it reuses the float model's unquantized parameters (no
-    second copy in RAM), so it must not change their dtype or device."""
+def quantized_copy(model: nn.Module, name: str, ignore: tuple[str, ...], share: bool) -> nn.Module:
+    """Quantized copy (scheme `name` of SCHEMES); with share, it reuses the float model's
+    unquantized parameters (no second copy in RAM), so it must not change their dtype or device."""
     twin = copy.deepcopy(model, memo={id(p): p for p in model.parameters()} if share else None)
     ctx = StepContext(twin, arch_for(twin), ignore, lambda: None)
+    if name == "fp8":
+        fp8_step.apply(ctx, fp8_step.FP8Config())  # per-channel weights, dynamic per-token inputs
+        return twin
+    scheme = SCHEMES[name]
     widths = [m.in_features for m in twin.modules() if isinstance(m, nn.Linear)]
     if scheme.group_size and any(w % scheme.group_size for w in widths):
         scheme = IntScheme(scheme.bits, scheme.symmetric, "group", 64)  # smollm2: hidden 576
     rtn.apply(ctx, scheme)
+    if name == "w8a8":
+        input_quant.apply(ctx, input_quant.InputQuantConfig())
     return twin
 
 
@@ -184,10 +192,10 @@ def build_variants(model: nn.Module, names: list[str], args, device) -> dict:
         else:
             # CPU kernels take fp32 activations; on CUDA the quantized model runs in bf16
             share = device.type == "cpu"
-            twin = quantized_copy(model, SCHEMES[name], tuple(args.ignore), share)
+            twin = quantized_copy(model, name, tuple(args.ignore), share)
             twin = twin if share else twin.to(torch.bfloat16)
             chosen = backends.prepare(twin, args.backend)
-            out[name] = twin, ", ".join(sorted(set(chosen.values())))
+            out[name] = twin, ", ".join(sorted(set(chosen.values()))) or "FP8Linear (reference)"
     return out
 
 
