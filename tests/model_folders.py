@@ -6,21 +6,12 @@ from pathlib import Path
 
 import torch
 
+from tiny_models import save_tiny_llama
+
 
 def save_tiny_folder(folder: Path) -> Path:
     """A 2-layer random llama with the smollm2 tokenizer (same vocabulary), as safetensors."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from lowbit.calibrate.models import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_tiny_llama(folder)
 
 
 def copy_folder(source: Path, target: Path) -> Path:

@@ -2,7 +2,7 @@
 import json
 
 import pytest
-import torch
+from tiny_models import save_tiny_llama
 
 from lowbit.recipes.cli import main
 
@@ -13,19 +13,7 @@ QUICK_EVAL = ["--set", "evaluate.perplexity.max_tokens=1024", "--set", "evaluate
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random llama saved with the smollm2 tokenizer (same vocabulary)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from lowbit.calibrate.models import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def test_cli_run_writes_checkpoint_and_results(tiny_model_dir, tmp_path, capsys, monkeypatch):

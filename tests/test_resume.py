@@ -1,6 +1,7 @@
 """Resume: a run interrupted after a layer continues from there and writes the same checkpoint."""
 import pytest
 import torch
+from tiny_models import save_tiny_llama
 
 from lowbit.recipes import resume
 from lowbit.recipes.cli import main
@@ -16,19 +17,7 @@ GPTQ = "{bits: 4, strategy: group, group_size: 32, actorder: static, forward_dty
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny random 4-layer llama saved with the smollm2 tokenizer (same vocabulary)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from lowbit.calibrate.models import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id)
-    folder = tmp_path_factory.mktemp("tiny-llama-4")
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-4"), layers=4)
 
 
 def recipe_file(tmp_path, tiny_dir, steps: str):

@@ -35,7 +35,7 @@ def make_tiny_model(model_type: str, seed: int = 0):
 ARCH_TYPES = ["llama", "qwen2", "gemma3_text", "opt", "gpt2", "phi3", "mistral", "qwen3"]
 
 
-def save_tiny_llama(folder, seed: int = 0):
+def save_tiny_llama(folder, seed: int = 0, layers: int = 2):
     """A tiny random llama saved with the smollm2 tokenizer (same vocabulary) into `folder`, a
     model folder that `lowbit run --model` accepts. Seeded: the same seed writes the same weights."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -44,7 +44,7 @@ def save_tiny_llama(folder, seed: int = 0):
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(folder)
