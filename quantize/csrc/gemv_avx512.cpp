@@ -95,6 +95,32 @@ void int8_row(const float* x, int64_t ldx, const int8_t* w, const float* sb, con
   for (int m = 0; m < MB; ++m) y[m * ldy] += reduce4(acc[m]);
 }
 
+// Batch 1: sum c·x per group (codes converted, no per-chunk scale), then scale once per group:
+// sum w x = s·sum(c x) + b·X with X the group's activation sum. Two fewer ops per 16 weights.
+void int8_row_single(const float* x, const float* xsum, const int8_t* w, const float* sb, int64_t K,
+                     int64_t group, float* y) {
+  __m512 total = _mm512_setzero_ps();
+  float corr = 0.f;
+  for (int64_t g = 0; g < K / group; ++g) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t c = g * group;
+    const int64_t end = c + group;
+    for (; c + 64 <= end; c += 64)
+      for (int j = 0; j < 4; ++j) {
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + c + 16 * j))));
+        acc[j] = _mm512_fmadd_ps(q, _mm512_loadu_ps(x + c + 16 * j), acc[j]);
+      }
+    for (; c < end; c += 16) {
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + c))));
+      acc[0] = _mm512_fmadd_ps(q, _mm512_loadu_ps(x + c), acc[0]);
+    }
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    total = _mm512_fmadd_ps(sum, _mm512_set1_ps(sb[2 * g]), total);
+    corr += sb[2 * g + 1] * xsum[g];
+  }
+  *y = _mm512_reduce_add_ps(total) + corr;
+}
+
 // Row n of the output for all M activation rows, in blocks of up to kMaxRows.
 template <typename RowFn>
 void for_row_blocks(int64_t M, RowFn&& fn) {
@@ -158,7 +184,15 @@ torch::Tensor gemv_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sb, 
   const float* sbp = sb.data_ptr<float>();
   const int8_t* wp = codes.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t KT = M > 1 ? kTileK : K;
+  if (M == 1) {
+    auto xsum = x.reshape({G, group}).sum(-1).contiguous();
+    const float* xs = xsum.data_ptr<float>();
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) int8_row_single(xp, xs, wp + n * K, sbp + n * G * 2, K, group, yp + n);
+    });
+    return y;
+  }
+  const int64_t KT = kTileK;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t k0 = 0; k0 < K; k0 += KT)
       for (int64_t n = begin; n < end; ++n)
