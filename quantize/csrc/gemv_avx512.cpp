@@ -254,11 +254,18 @@ torch::Tensor gemv_int4_bf16(torch::Tensor x, torch::Tensor packed, torch::Tenso
   TORCH_CHECK(group % 64 == 0, "group ", group, " is not a multiple of 64");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
   // x rounded to bf16 once per call, and its per-group sums from those same rounded values
-  auto xb = x.to(torch::kBFloat16).contiguous();
-  auto xsum = xb.to(torch::kFloat).reshape({M, G, group}).sum(-1).contiguous();
+  // (a plain loop: at batch 1, torch ops here cost more dispatch time than the arithmetic)
+  std::vector<uint16_t> xb(M * K);
+  std::vector<float> xsum(M * G, 0.f);
+  const float* xf = x.data_ptr<float>();
+  for (int64_t i = 0; i < M * K; ++i) {
+    const c10::BFloat16 b(xf[i]);  // round to nearest even
+    xb[i] = b.x;
+    xsum[(i / K) * G + (i % K) / group] += static_cast<float>(b);
+  }
   auto y = torch::empty({M, N}, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-  const float* xs = xsum.data_ptr<float>();
+  const uint16_t* xp = xb.data();
+  const float* xs = xsum.data();
   const float* sbp = sb.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
