@@ -119,10 +119,20 @@ def layer_errors(steps: list[dict]) -> dict[str, list[tuple[str, float]]]:
         items = layers.items() if isinstance(layers, dict) else (
             ((rec.get("name", rec.get("layer", str(j))), rec) for j, rec in enumerate(layers))
             if isinstance(layers, list) else ())
-        pairs = [(str(name), v) for name, rec in items if (v := _error_value(rec)) is not None]
+        pairs = [(str(name), v) for name, rec in _per_linear(items) if (v := _error_value(rec)) is not None]
         if pairs:
             out[f"{step.get('name', 'step')}#{i}"] = pairs
     return out
+
+
+def _per_linear(items):
+    """(name, record) pairs, a layer record that holds per-linear ones ({"linears": {name: {...}}},
+    as GPTQ writes) expanded into those."""
+    for name, rec in items:
+        if isinstance(rec, dict) and isinstance(rec.get("linears"), dict):
+            yield from rec["linears"].items()
+        else:
+            yield name, rec
 
 
 def _error_value(rec) -> Optional[float]:

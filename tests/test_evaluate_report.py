@@ -33,6 +33,17 @@ def test_pareto_front_minimises_both():
     assert pareto_front(pts) == [0, 1, 3]
 
 
+def test_layer_errors_expand_gptq_per_linear_records():
+    """GPTQ records per layer {"layer", "seconds", "linears": {name: {"loss", ...}}}: one point
+    per linear, in model order."""
+    steps = [{"name": "gptq", "layers": [
+        {"layer": "model.layers.0", "seconds": 1.0,
+         "linears": {"model.layers.0.q": {"loss": 0.5, "retries": 0}, "model.layers.0.o": {"loss": 0.25}}},
+        {"layer": "model.layers.1", "seconds": 1.0, "linears": {"model.layers.1.q": {"loss": 2.0}}}]}]
+    assert layer_errors(steps) == {"gptq#0": [("model.layers.0.q", 0.5), ("model.layers.0.o", 0.25),
+                                              ("model.layers.1.q", 2.0)]}
+
+
 def test_layer_errors_accept_mapping_and_records():
     steps = [{"name": "gptq", "layers": {"a": 0.1, "b": {"error": 0.2}}},
              {"name": "awq", "layers": [{"name": "c", "mse": 3}]}, {"name": "rtn"}]
