@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -91,11 +92,19 @@ class StepLayers:
         saved = json.loads(progress.read_text()) if progress.is_file() else {"finished": 0, "results": []}
         self.finished: int = saved["finished"]
         self.results: list = saved["results"]
+        self.disabled = False  # set when a layer cannot be checkpointed: the run goes on without
 
     def save(self, index: int, prefix: str, layer: nn.Module, result, hidden: Optional[list[torch.Tensor]]) -> None:
+        if self.disabled:
+            return
+        try:
+            tensors, qconfig = layer_tensors(prefix, layer)
+        except ValueError as err:  # a module compressed-tensors cannot describe (act-order g_idx)
+            self.disabled = True
+            warnings.warn(f"resume checkpoints off for this step: {err}", RuntimeWarning, stacklevel=2)
+            return
         self.before_first_save()
         self.folder.mkdir(parents=True, exist_ok=True)
-        tensors, qconfig = layer_tensors(prefix, layer)
         _save_tensors(tensors, self.folder / f"layer{index}.safetensors", {"qconfig": json.dumps(qconfig)})
         if hidden is not None:
             _save_tensors({f"hidden.{k}": h for k, h in enumerate(hidden)}, self.folder / f"hidden{index}.safetensors")

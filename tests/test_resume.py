@@ -128,3 +128,15 @@ def test_run_failing_before_any_layer_leaves_no_resume_folder(tiny_dir, tmp_path
     with pytest.raises(ValueError, match="group"):
         run(recipe, tmp_path / "out")
     assert not resume.resume_dir(tmp_path / "out").exists() and not (tmp_path / "out").exists()
+
+
+def test_layers_compressed_tensors_cannot_describe_turn_checkpoints_off(tiny_dir, tmp_path):
+    """GPTQ actorder: group keeps a permuted g_idx (exportable only as --format gptq): the run
+    goes on without resume checkpoints instead of failing."""
+    recipe = recipe_file(tmp_path, tiny_dir, "  - gptq: {bits: 4, strategy: group, group_size: 32, "
+                                             "actorder: group, forward_dtype: float32}\n"
+                                             "export: {format: gptq}\n")
+    with pytest.warns(RuntimeWarning, match="resume checkpoints off"):
+        run(recipe, tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert not resume.resume_dir(tmp_path / "out").exists()
