@@ -54,19 +54,12 @@ def _build():
                           build_directory=str(build_dir), verbose=False)
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Signed codes (N, K) in [-8, 8) -> (N, K/2) uint8: in each 16-byte block, byte i holds
-    weight i (low nibble) and weight i + 16 (high nibble), both as code + 8."""
+def pack_int4(codes: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Signed codes (N, K) in [-8, 8) -> (N, K/2) uint8, `block` weights per block/2 bytes: byte
+    i of a block holds weight i (low nibble) and weight i + block/2 (high nibble), both as
+    code + 8. gemv_int4 reads blocks of 32, gemv_int4_bf16 blocks of 64."""
     n, k = codes.shape
-    u = (codes.to(torch.int16) + 8).to(torch.uint8).reshape(n, k // 32, 2, 16)
-    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-
-
-def pack_int4_b64(codes: torch.Tensor) -> torch.Tensor:
-    """Signed codes (N, K) in [-8, 8) -> (N, K/2) uint8 for gemv_int4_bf16: in each 32-byte
-    block, byte j holds weight j (low nibble) and weight j + 32 (high nibble), both as code + 8."""
-    n, k = codes.shape
-    u = (codes.to(torch.int16) + 8).to(torch.uint8).reshape(n, k // 64, 2, 32)
+    u = (codes.to(torch.int16) + 8).to(torch.uint8).reshape(n, k // block, 2, block // 2)
     return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
@@ -96,7 +89,7 @@ class CpuLayout:
     sb: torch.Tensor  # (N, G, 2) float32 scale and offset
     group: int  # input columns per scale
     perm: Optional[torch.Tensor]  # (K,) input order that makes act-order groups contiguous
-    bf16_dot: bool = False  # 4-bit with bf16 activations and vdpbf16ps (pack_int4_b64 layout)
+    bf16_dot: bool = False  # 4-bit with bf16 activations and vdpbf16ps (pack_int4 block 64)
 
 
 def layout_for(module) -> CpuLayout | str:
@@ -117,7 +110,7 @@ def layout_for(module) -> CpuLayout | str:
     scale = scale.expand(n, k // group)  # per-tensor (1, 1) becomes one scale per row
     zero = None if zero is None else zero.expand(n, k // group)
     if bits == 4 and bf16_dot_available() and group % 64 == 0:
-        return CpuLayout(4, pack_int4_b64(codes), scale_offset(scale, zero, 8), group, perm, bf16_dot=True)
+        return CpuLayout(4, pack_int4(codes, block=64), scale_offset(scale, zero, 8), group, perm, bf16_dot=True)
     if bits == 4:
         return CpuLayout(4, pack_int4(codes), scale_offset(scale, zero, 8), group, perm)
     return CpuLayout(8, codes.contiguous(), scale_offset(scale, zero, 0), group, perm)

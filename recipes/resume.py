@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -46,10 +47,10 @@ class RunProgress:
     def open(cls, output: Path, recipe: dict, resume: bool) -> "RunProgress":
         folder = resume_dir(Path(output))
         identity = {k: recipe.get(k) for k in IDENTITY_KEYS}
-        if folder.is_dir() and (folder / STATE).is_file() and finished_layers(folder):
-            _check_resumable(folder, identity, resume)
-            print(f"[lowbit] resuming from {folder} ({finished_layers(folder)} layers already done)",
-                  file=sys.stderr)
+        finished = finished_layers(folder) if (folder / STATE).is_file() else 0
+        if finished:
+            _check_resumable(folder, identity, resume, finished)
+            print(f"[lowbit] resuming from {folder} ({finished} layers already done)", file=sys.stderr)
         else:
             shutil.rmtree(folder, ignore_errors=True)  # nothing finished in it: nothing to keep
         return cls(folder, identity)
@@ -70,10 +71,10 @@ def finished_layers(folder: Path) -> int:
     return sum(json.loads(p.read_text())["finished"] for p in folder.glob(f"step*/{PROGRESS}"))
 
 
-def _check_resumable(folder: Path, identity: dict, resume: bool) -> None:
+def _check_resumable(folder: Path, identity: dict, resume: bool, finished: int) -> None:
     if not resume:
         raise FileExistsError(
-            f"{folder} holds an interrupted run ({finished_layers(folder)} layers finished): pass "
+            f"{folder} holds an interrupted run ({finished} layers finished): pass "
             "--resume to continue it, or delete that folder to start over")
     saved = json.loads((folder / STATE).read_text())
     differs = [k for k in IDENTITY_KEYS if saved.get(k) != identity.get(k)]
@@ -142,19 +143,17 @@ def layer_tensors(prefix: str, layer: nn.Module) -> tuple[dict[str, torch.Tensor
 
 def load_layer(prefix: str, layer: nn.Module, path: Path) -> None:
     """Load a layer saved by layer_tensors back into `layer` (quantized modules rebuilt)."""
-    with open(path, "rb"):  # a clear FileNotFoundError naming the file
-        pass
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: layer checkpoint missing; delete the resume folder")
+    with safe_open(str(path), "pt") as f:  # one read: metadata and tensors
         qconfig = json.loads(f.metadata().get("qconfig") or "{}")
-    tensors = load_file(str(path))
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
     device = next((p.device for p in layer.parameters()), torch.device("cpu"))
-    for full in ct.quantized_prefixes(tensors):
+    prefixes = set(ct.quantized_prefixes(tensors))
+    for full in prefixes:
         module = ct.build_module(full, tensors, qconfig, str(path))
         layer.set_submodule(full[len(prefix) + 1:], module.to(device))
-    floats = {k[len(prefix) + 1:]: v for k, v in tensors.items()
-              if k.rpartition(".")[0] not in set(ct.quantized_prefixes(tensors))}
+    floats = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.rpartition(".")[0] not in prefixes}
     result = layer.load_state_dict(floats, strict=False)
     quantized = {n for n, m in layer.named_modules() if ct.is_quantized(m)}
     missing = [k for k in result.missing_keys if k.rpartition(".")[0] not in quantized]
