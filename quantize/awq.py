@@ -21,7 +21,7 @@ from lowbit.calibrate.walker import LayerInputs, first_output, layer_forward, re
 
 from .fold import fold_scale, follower_index, weight_out_in
 from .primitives import IntScheme, check_group_size, fake_quantize, grouped, scale_zero_from_range
-from .smoothing import InputCollector, pair_index, to_prev, token_stride, weight_quantizer
+from .smoothing import pair_index, to_prev, token_stride, weight_quantizer
 from .step import StepContext
 from .targets import is_ignored
 
@@ -41,12 +41,16 @@ class AWQConfig:
     # whole calibration sequences (attention needs them) holding about this many tokens feed the
     # scale search and the mean |x| statistic; each candidate costs a block forward on them
     max_tokens: int = 1024
-    clip_tokens: int = 512  # evenly strided tokens of those sequences for the clipping search
+    # evenly strided calibration tokens whose second moments judge the clip ratios; None: all.
+    # Each candidate costs a (group x group) product per group, not a pass over the tokens
+    clip_tokens: Optional[int] = None
 
     def __post_init__(self):
         self.scheme  # validates bits / group_size
         if self.grid < 1 or self.clip_grid < 1 or not 0.0 <= self.max_shrink < 1.0:
             raise ValueError("grid and clip_grid must be >= 1 and max_shrink in [0, 1)")
+        if self.clip_tokens is not None and self.clip_tokens < 1:
+            raise ValueError(f"clip_tokens must be >= 1 or null (all tokens), got {self.clip_tokens}")
 
     @property
     def scheme(self) -> IntScheme:
@@ -79,11 +83,36 @@ def search_scale(x_mean, w_mean, error, cfg: AWQConfig):
     return best[1], best[2]
 
 
+class GroupGram:
+    """Mean second moments C_g = E[x_g x_gᵀ] of a linear's input, per weight group g (the whole
+    row when per-channel). A change d to a row's group g moves the output by x_g·d, whose mean
+    square is dᵀ C_g d: the clip search reads every token through C at no cost per token."""
+
+    def __init__(self, scheme: IntScheme):
+        self.scheme, self.sum, self.tokens = scheme, None, 0
+
+    def update(self, x2d: torch.Tensor) -> None:
+        x = x2d.detach().float().cpu()
+        xg = x.reshape(x.shape[0], -1, self.scheme.group_size or x.shape[1])  # (tokens, G, group)
+        c = torch.einsum("ngk,ngl->gkl", xg, xg)
+        self.sum = c if self.sum is None else self.sum + c
+        self.tokens += x.shape[0]
+
+    def result(self) -> torch.Tensor:
+        return self.sum / max(self.tokens, 1)  # (G, group, group)
+
+
+def group_gram(x: torch.Tensor, scheme: IntScheme) -> torch.Tensor:
+    gram = GroupGram(scheme)
+    gram.update(x)
+    return gram.result()
+
+
 @torch.no_grad()
-def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: IntScheme, cfg: AWQConfig) -> torch.Tensor:
-    """w (out, in) with each group clipped to the range fraction minimising its output error on x."""
+def search_clip(w: torch.Tensor, gram: torch.Tensor, scheme: IntScheme, cfg: AWQConfig) -> torch.Tensor:
+    """w (out, in) with each group clipped to the range fraction minimising its mean square
+    output error dᵀ C_g d, C_g the group's input second moments (gram: (G, group, group))."""
     g = grouped(w.float(), scheme)  # (rows, G, group)
-    xg = x.float().reshape(x.shape[0], g.shape[1], g.shape[2])  # (tokens, G, group)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # (rows, G)
     best_err = torch.full_like(lo, float("inf"))
     best_ratio = torch.ones_like(lo)
@@ -92,7 +121,8 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: IntScheme, cfg: AWQCon
         scale, zero = scale_zero_from_range(lo * ratio, hi * ratio, scheme)
         q = fake_quantize(g, scale.unsqueeze(-1), None if zero is None else zero.unsqueeze(-1),
                           scheme.qmin, scheme.qmax)
-        err = torch.einsum("ngk,ogk->nog", xg, g - q).pow(2).mean(dim=0)  # (rows, G)
+        d = (g - q).transpose(0, 1)  # (G, rows, group)
+        err = (torch.bmm(d, gram) * d).sum(dim=-1).t()  # (rows, G)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
@@ -218,12 +248,23 @@ def scale_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig
 
 
 def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig, ignore) -> list[str]:
+    """Clip each linear's groups, judged on (a stride of) all calibration tokens in `inputs`."""
     names = [n for n in arch.linears if n not in cfg.clip_skip and not is_ignored(f"{prefix}.{n}", ignore)]
-    collectors = {n: InputCollector(token_stride(inputs.hidden, cfg.clip_tokens)) for n in names}
-    record_linear_inputs(layer, names, inputs, device, lambda n, x: collectors[n].update(x))
+    stride = 1 if cfg.clip_tokens is None else token_stride(inputs.hidden, cfg.clip_tokens)
+    grams = {n: GroupGram(cfg.scheme) for n in names}
+    last = [None, None]  # the input tensor seen last and the linear whose Gram took it
+
+    def update(name, x2d):  # gate/up are handed one tensor in turn: one Gram for both
+        if x2d is last[0]:
+            grams[name] = grams[last[1]]
+        else:
+            last[:] = [x2d, name]
+            grams[name].update(x2d[::stride])
+
+    record_linear_inputs(layer, names, inputs, device, update)
     for name in names:
         w = weight_out_in(layer.get_submodule(name))  # a view: copying into it updates the module
-        clipped = search_clip(w.float().cpu(), collectors[name].result().sample, cfg.scheme, cfg)
+        clipped = search_clip(w.float().cpu(), grams[name].result(), cfg.scheme, cfg)
         w.copy_(clipped.to(w.device, w.dtype))
     return names
 
@@ -239,7 +280,7 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
     def on_layer(i, prefix, layer, inputs):
         sample = leading_sequences(inputs, cfg.max_tokens)
         ratios = scale_layer(layer, ctx.arch, prefix, sample, ctx.device, cfg, ctx.ignore)
-        clipped = clip_layer(layer, ctx.arch, prefix, sample, ctx.device, cfg, ctx.ignore) if cfg.clip else []
+        clipped = clip_layer(layer, ctx.arch, prefix, inputs, ctx.device, cfg, ctx.ignore) if cfg.clip else []
         return {"ratios": ratios, "clipped": clipped}
 
     per_layer = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="awq",

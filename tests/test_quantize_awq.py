@@ -41,11 +41,26 @@ def test_clip_search_lowers_group_output_error():
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
     w[0, 5] = 12.0  # one large weight stretches its group's grid
     quant = weight_quantizer(CFG.scheme)
-    clipped = awq.search_clip(w, x, CFG.scheme, CFG)
+    gram = awq.group_gram(x, CFG.scheme)
+    clipped = awq.search_clip(w, gram, CFG.scheme, CFG)
     assert not torch.equal(clipped, w)
     err = lambda v: (x @ quant(v).t() - x @ w.t()).pow(2).mean()
     assert err(clipped) < err(w)
-    assert torch.equal(clipped, awq.search_clip(w, x, CFG.scheme, CFG))
+    assert torch.equal(clipped, awq.search_clip(w, gram, CFG.scheme, CFG))
+
+
+def test_group_gram_gives_each_groups_output_error():
+    """dᵀ C_g d equals the mean square of x_g · d over the tokens, group by group."""
+    gen = torch.Generator().manual_seed(6)
+    x, d = torch.randn(300, 128, generator=gen), torch.randn(5, 128, generator=gen)
+    gram = awq.GroupGram(CFG.scheme)
+    gram.update(x[:100])
+    gram.update(x[100:])  # accumulated over micro-batches
+    C = gram.result()
+    dg = d.reshape(5, 4, 32)
+    direct = torch.einsum("ngk,ogk->nog", x.reshape(300, 4, 32), dg).pow(2).mean(dim=0)
+    via_gram = torch.einsum("ogk,gkl,ogl->og", dg, C, dg)
+    torch.testing.assert_close(via_gram, direct, rtol=1e-4, atol=1e-5)
 
 
 def _outlier_llama():
