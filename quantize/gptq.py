@@ -17,6 +17,7 @@ from torch import nn
 
 from lowbit.calibrate.walker import record_linear_inputs, walk
 
+from .fp8 import FP8Format, FP8Weight, WeightStrategy, element_scale, saturating_cast, weight_scale
 from .primitives import (IntScheme, check_group_size, compute_scale_zero, fake_quantize, grouped,
                          scale_zero_from_range)
 from .qlinear import QuantLinear, linear_weight
@@ -132,16 +133,8 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult:
 
 def _gptq_solve(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult:
     scheme = cfg.scheme
-    W = W.detach().float().clone()
-    H = H.detach().float().clone()
+    W, H, perm, U, frac, retries = _prepare(W, H, cfg)
     rows, cols = W.shape
-    dead = H.diagonal() == 0  # inputs that are always zero: any value works, 0 is simplest
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
-    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if cfg.actorder != "none" else None
-    if perm is not None:
-        W, H = W[:, perm], H[perm][:, perm]
-    U, frac, retries = inverse_hessian_factor(H, cfg.dampening_frac)
     lazy_groups = scheme.strategy == "group" and cfg.actorder != "static"
     importance = H.diagonal() if cfg.scale_search == "mse" else None  # (cols,) processing order
     if lazy_groups:
@@ -151,7 +144,8 @@ def _gptq_solve(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult
     block = cfg.block_size
     if scheme.strategy == "group":  # keep each group inside one block
         block = max(scheme.group_size, block // scheme.group_size * scheme.group_size)
-    codes, row_loss = _solve_blocks(W, U, grid, block)
+    Q, row_loss = _solve_blocks(W, U, grid, block)
+    codes = _codes(Q, grid)
     if perm is not None:
         inverse = torch.argsort(perm)
         codes = codes[:, inverse]
@@ -161,6 +155,55 @@ def _gptq_solve(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult
     scale, zero = grid.result()
     qw = QuantizedWeight(codes.to(torch.int8), scale, zero, scheme, g_idx)
     return GPTQResult(qw, row_loss, frac, retries)
+
+
+def gptq_solve_fp8(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig, strategy: WeightStrategy = "channel",
+                   fmt: FP8Format = "e4m3", block: int = 128) -> tuple[FP8Weight, torch.Tensor, float, int]:
+    """GPTQ of W onto an FP8 grid whose scales (per tensor, channel or block) are fixed from W's
+    ranges first. Returns the FP8 weight, row losses, the damping used and its retries."""
+    return _single_threaded(_gptq_solve_fp8, W, H, cfg, strategy, fmt, block)
+
+
+def _gptq_solve_fp8(W, H, cfg: GPTQConfig, strategy: WeightStrategy, fmt: FP8Format, block: int):
+    if cfg.actorder == "group":
+        raise ValueError("FP8 GPTQ supports actorder none or static (its scales do not depend on the order)")
+    scale = weight_scale(W, strategy, fmt, block)
+    per_element = element_scale(scale, W.shape, strategy, block).expand(W.shape)
+    Wp, _, perm, U, frac, retries = _prepare(W, H, cfg)
+    grid = _FP8Grid(per_element if perm is None else per_element[:, perm], fmt)
+    Q, row_loss = _solve_blocks(Wp, U, grid, cfg.block_size)
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
+    data = saturating_cast(Q / per_element, fmt)  # exact: Q already lies on the grid
+    return FP8Weight(data, scale, fmt, strategy, block), row_loss, frac, retries
+
+
+def _prepare(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig):
+    """Float copies with dead inputs zeroed, permuted by act-order, and the inverse-Hessian factor."""
+    W = W.detach().float().clone()
+    H = H.detach().float().clone()
+    dead = H.diagonal() == 0  # inputs that are always zero: any value works, 0 is simplest
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if cfg.actorder != "none" else None
+    if perm is not None:
+        W, H = W[:, perm], H[perm][:, perm]
+    U, frac, retries = inverse_hessian_factor(H, cfg.dampening_frac)
+    return W, H, perm, U, frac, retries
+
+
+class _FP8Grid:
+    """Per-element FP8 scales (rows, cols) in processing order, fixed before GPTQ runs."""
+
+    def __init__(self, scale: torch.Tensor, fmt: FP8Format):
+        self.scale_t, self.fmt = scale.t().contiguous(), fmt  # a column's scales: one row here
+
+    def begin(self, j: int, Wt_rest: torch.Tensor) -> None:
+        pass
+
+    def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
+        s = self.scale_t[j]
+        return saturating_cast(w / s, self.fmt).float() * s
 
 
 class _FixedGrid:
@@ -191,6 +234,9 @@ class _FixedGrid:
         g = self._groups[j]
         return self.scale[:, g], None if self.zero is None else self.zero[:, g]
 
+    def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
+        return fake_quantize(w, *self.column(j), self.scheme.qmin, self.scheme.qmax)
+
     def result(self):
         return self.scale.float(), self.zero
 
@@ -220,6 +266,9 @@ class _LazyGrid:
     def column(self, j: int):
         g = j // self.size
         return self.scale[:, g], None if self.zero is None else self.zero[:, g]
+
+    def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
+        return fake_quantize(w, *self.column(j), self.scheme.qmin, self.scheme.qmax)
 
     def result(self):
         return self.scale, self.zero
@@ -260,8 +309,8 @@ def _single_threaded(fn, *args):
 
 
 def _solve_blocks(W: torch.Tensor, U: torch.Tensor, grid, block: int):
-    """The GPTQ sweep over (already permuted) columns. Returns codes (rows, cols) and row losses."""
-    qmin, qmax = grid.scheme.qmin, grid.scheme.qmax
+    """The GPTQ sweep over (already permuted) columns. Returns the quantized values (rows, cols),
+    on the grid, and row losses."""
     Wt = W.t().contiguous()  # (cols, rows): a column is a contiguous row here
     rows, cols = W.shape
     Qt = torch.empty(cols, rows, device=W.device)  # quantized values, on the grid
@@ -272,14 +321,13 @@ def _solve_blocks(W: torch.Tensor, U: torch.Tensor, grid, block: int):
         Eb = torch.empty_like(Wb)
         for j in range(i2 - i1):
             grid.begin(i1 + j, Wb[j:])
-            scale, zero = grid.column(i1 + j)
             w = Wb[j]
-            q = Qt[i1 + j] = fake_quantize(w, scale, zero, qmin, qmax)
+            q = Qt[i1 + j] = grid.quantize(i1 + j, w)
             torch.div(w - q, Ub[j, j], out=Eb[j])
             Wb[j + 1 :].addr_(Ub[j, j + 1 :], Eb[j], alpha=-1.0)
         row_loss += Eb.square().sum(dim=0) / 2
         Wt[i2:].addmm_(U[i1:i2, i2:].t(), Eb, alpha=-1.0)
-    return _codes(Qt.t(), grid), row_loss
+    return Qt.t(), row_loss
 
 
 def _codes(Q: torch.Tensor, grid) -> torch.Tensor:
@@ -298,19 +346,41 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
         check_group_size(cfg.scheme, linear_weight(module).shape[1], name)
     outside = {n: m for n, m in targets.linears.items() if not n.startswith(ctx.arch.layers + ".")}
 
+    def solve(prefix, layer, members, H, stats) -> dict:
+        solved = {}
+        for name, qw in _solve_shared(layer, members, H, cfg, stats).items():
+            old = layer.get_submodule(name)
+            solved[name] = QuantLinear.from_quantized(qw, old.bias).to(old.weight.device)
+        return solved
+
+    layers, forward_dtype = walk_solving(ctx, cfg, targets, solve)
+    for name, module in outside.items():  # lm_head etc. see no decoder-layer inputs: RTN
+        warnings.warn(f"{name} is outside the decoder layers; quantized round-to-nearest, not GPTQ")
+        replace_module(ctx.model, name, QuantLinear.from_quantized(quantize_rtn(linear_weight(module), cfg.scheme),
+                                                                   module.bias))
+    return {"quantized": list(targets.linears), "ignored": targets.ignored,
+            "forward_dtype": forward_dtype, "round_to_nearest": list(outside),
+            "damping_retries": damping_retries(layers), "layers": list(layers)}
+
+
+def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve) -> tuple[list[dict], str]:
+    """Walk the decoder layers; per linear group, record its inputs' Hessians and call
+    solve(layer prefix, layer, names sharing one input, H, stats) -> {name: replacement module}. The layer's
+    linears are replaced once all its groups are solved; its quantized outputs feed the next.
+    Returns the per-layer records and the forwards' dtype."""
+
     def on_layer(i, prefix, layer, inputs):
         start = time.perf_counter()
         names = [n for n in ctx.arch.linears if f"{prefix}.{n}" in targets.linears]
         groups = [[n for n in g if n in names] for g in ctx.arch.groups] if cfg.true_sequential else [names]
         stats: dict = {}
-        solved: dict[str, QuantizedWeight] = {}
+        solved: dict[str, nn.Module] = {}
         for group in filter(None, groups):
             hessians, sharing = _collect_hessians(layer, group, inputs, ctx.device)
             for lead, members in sharing.items():
-                _solve_shared(layer, members, hessians.pop(lead).H, cfg, solved, stats)
-        for name, qw in solved.items():
-            old = layer.get_submodule(name)
-            replace_module(layer, name, QuantLinear.from_quantized(qw, old.bias).to(old.weight.device))
+                solved.update(solve(prefix, layer, members, hessians.pop(lead).H, stats))
+        for name, module in solved.items():
+            replace_module(layer, name, module)
         return {"layer": prefix, "seconds": round(time.perf_counter() - start, 3),
                 "linears": {f"{prefix}.{n}": s for n, s in stats.items()}}
 
@@ -318,15 +388,12 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
     layers = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="gptq",
                   micro_batch=cfg.micro_batch, forward_dtype=forward_dtype, final_outputs=False,
                   store=ctx.layer_store)
-    for name, module in outside.items():  # lm_head etc. see no decoder-layer inputs: RTN
-        warnings.warn(f"{name} is outside the decoder layers; quantized round-to-nearest, not GPTQ")
-        replace_module(ctx.model, name, QuantLinear.from_quantized(quantize_rtn(linear_weight(module), cfg.scheme),
-                                                                   module.bias))
-    retries = [{"linear": n, "dampening_frac": s["dampening_frac"]}
-               for layer in layers for n, s in layer["linears"].items() if s["retries"]]
-    return {"quantized": list(targets.linears), "ignored": targets.ignored,
-            "forward_dtype": str(forward_dtype).removeprefix("torch."),
-            "round_to_nearest": list(outside), "damping_retries": retries, "layers": list(layers)}
+    return list(layers), str(forward_dtype).removeprefix("torch.")
+
+
+def damping_retries(layers) -> list[dict]:
+    return [{"linear": n, "dampening_frac": s["dampening_frac"]}
+            for layer in layers for n, s in layer["linears"].items() if s["retries"]]
 
 
 def _collect_hessians(layer: nn.Module, names: list[str], inputs, device):
@@ -350,8 +417,9 @@ def _collect_hessians(layer: nn.Module, names: list[str], inputs, device):
     return hessians, sharing
 
 
-def _solve_shared(layer, members, H, cfg: GPTQConfig, solved: dict, stats: dict) -> None:
+def _solve_shared(layer, members, H, cfg: GPTQConfig, stats: dict) -> dict[str, QuantizedWeight]:
     """One GPTQ solve for linears sharing an input (rows stacked), then split back per linear."""
+    solved = {}
     modules = [layer.get_submodule(n) for n in members]
     weights = [linear_weight(m) for m in modules]
     start = time.perf_counter()
@@ -366,6 +434,7 @@ def _solve_shared(layer, members, H, cfg: GPTQConfig, solved: dict, stats: dict)
         solved[name] = qw
         stats[name] = {"loss": float(result.row_loss[rows].sum()), "dampening_frac": result.dampening_frac,
                        "retries": result.retries, "seconds": round(seconds, 4)}
+    return solved
 
 
 def _row_slice(qw: QuantizedWeight, rows: slice) -> QuantizedWeight:

@@ -12,6 +12,7 @@ QUICK = ("evaluate.baseline=false", "evaluate.perplexity.max_tokens=256",
          "evaluate.perplexity.context_len=128", "evaluate.perplexity.stride=128",
          "calibration.samples=4", "calibration.seq_len=64")
 GPTQ = "{bits: 4, strategy: group, group_size: 32, actorder: static, forward_dtype: float32}"
+FP8_GPTQ = "{weights: channel, activations: dynamic, rounding: gptq}"  # the same walk, FP8 layers
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,9 @@ def interrupt_after(monkeypatch, step: str, layer: int, saves: list):
     monkeypatch.setattr(resume.StepLayers, "save", save)
 
 
-def test_resumed_run_writes_the_uninterrupted_checkpoint(tiny_dir, tmp_path, monkeypatch):
-    recipe = recipe_file(tmp_path, tiny_dir, f"  - gptq: {GPTQ}\n")
+@pytest.mark.parametrize("step", [f"gptq: {GPTQ}", f"fp8: {FP8_GPTQ}"])
+def test_resumed_run_writes_the_uninterrupted_checkpoint(tiny_dir, tmp_path, monkeypatch, step):
+    recipe = recipe_file(tmp_path, tiny_dir, f"  - {step}\n")
     run(recipe, tmp_path / "whole")
     assert not resume.resume_dir(tmp_path / "whole").exists()  # cleaned up after publishing
 
