@@ -1,22 +1,64 @@
-"""FP8 W8A8 perplexity on smollm2-135m (pinned wiki protocol), in memory.
+"""FP8 W8A8 perplexity on smollm2-135m (pinned wiki protocol), in memory, and its parts.
 
-Usage: python bench/fp8_smollm2.py WEIGHTS(tensor|channel|block) ACTIVATIONS(dynamic|static|none) [CALIB_SAMPLES]
+    python bench/fp8_smollm2.py --weights channel --activations dynamic [--rounding gptq]
+    python bench/fp8_smollm2.py --weights float --activations dynamic   # activations alone
+    python bench/fp8_smollm2.py --weights channel --activations none    # weights alone
 """
-import sys, time, torch
+import argparse
+import time
+
+import torch
+from torch import nn
+
 from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.data import CalibrationConfig, calibration_batches
 from lowbit.calibrate.models import load_model
 from lowbit.evaluate.config import PerplexityProtocol
 from lowbit.evaluate.perplexity import perplexity
 from lowbit.quantize import fp8_step
+from lowbit.quantize.fp8 import dynamic_token_scale, fake_quantize_activation
 from lowbit.quantize.step import StepContext
+from lowbit.quantize.targets import replace_module, select_targets
 
-weights, acts = sys.argv[1], sys.argv[2]
-torch.manual_seed(0)
-model, tok, _ = load_model("smollm2-135m")
-cal = CalibrationConfig(samples=int(sys.argv[3]) if len(sys.argv) > 3 else 64)
-ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: calibration_batches(cal, tok))
-fp8_step.apply(ctx, fp8_step.FP8Config(weights=weights, activations=acts))
-t = time.time()
-r = perplexity(model, tok, PerplexityProtocol())
-print(f"fp8 weights={weights} activations={acts}: ppl {r['perplexity']:.3f} ({100*(r['perplexity']/16.687-1):+.2f}% vs 16.687) [{time.time()-t:.0f}s]")
+BASELINE = 16.687
+
+
+class FP8InputsOnly(nn.Module):
+    """A float linear whose inputs are rounded to E4M3 per token: the activations' share alone."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return self.linear(fake_quantize_activation(x, dynamic_token_scale(x, "e4m3"), "e4m3"))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", choices=["tensor", "channel", "block", "float"], default="channel")
+    p.add_argument("--activations", choices=["dynamic", "static", "none"], default="dynamic")
+    p.add_argument("--rounding", choices=["nearest", "gptq"], default="nearest")
+    p.add_argument("--samples", type=int, default=64, help="calibration samples (static, gptq)")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    model, tok, _ = load_model("smollm2-135m")
+    cal = CalibrationConfig(samples=args.samples)
+    ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: calibration_batches(cal, tok))
+    start = time.time()
+    if args.weights == "float":
+        if args.activations != "dynamic":
+            p.error("--weights float measures dynamic activations alone")
+        for name, module in select_targets(model, ctx.arch, ctx.ignore).linears.items():
+            replace_module(model, name, FP8InputsOnly(module))
+    else:
+        fp8_step.apply(ctx, fp8_step.FP8Config(weights=args.weights, activations=args.activations,
+                                               rounding=args.rounding))
+    quantize_s = time.time() - start
+    ppl = perplexity(model, tok, PerplexityProtocol())["perplexity"]
+    print(f"fp8 weights={args.weights} activations={args.activations} rounding={args.rounding}: "
+          f"ppl {ppl:.3f} ({100 * (ppl / BASELINE - 1):+.2f}% vs {BASELINE}) [quantize {quantize_s:.0f}s]")
+
+
+if __name__ == "__main__":
+    main()
