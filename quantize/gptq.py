@@ -365,8 +365,10 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
 
 def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve) -> tuple[list[dict], str]:
     """Walk the decoder layers; per linear group, record its inputs' Hessians and call
-    solve(layer prefix, layer, names sharing one input, H, stats) -> {name: replacement module}. The layer's
-    linears are replaced once all its groups are solved; its quantized outputs feed the next.
+    solve(prefix, layer, names sharing one input, H, stats) -> {name: replacement module}.
+    The layer's linears are replaced once all its groups are solved, and its quantized outputs
+    feed the next layer. With cfg.true_sequential, solve must also write the rounded values into
+    the float linears, so that later groups record what they will see (as _solve_shared does).
     Returns the per-layer records and the forwards' dtype."""
 
     def on_layer(i, prefix, layer, inputs):
