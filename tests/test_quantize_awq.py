@@ -144,3 +144,28 @@ def test_scales_are_judged_on_the_block_each_pair_feeds():
     targets = {p.prev: awq.block_targets(layer, p) for p in arch.smooth}
     assert targets == {"input_layernorm": ["self_attn"], "self_attn.v_proj": ["self_attn.o_proj"],
                        "post_attention_layernorm": ["mlp"], "mlp.up_proj": ["mlp.down_proj"]}
+
+
+def test_clip_layer_reads_every_token_or_a_stride_and_shares_one_gram_per_input(monkeypatch):
+    from lowbit.calibrate.walker import capture_first_layer_inputs
+
+    ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(8))  # 64 tokens
+    model = make_tiny_model("llama")
+    arch = arch_for(model)
+    inputs = capture_first_layer_inputs(model, arch, ids)
+    layer = decoder_layers(model, arch)[0]
+    rows_seen = []
+    update = awq.GroupGram.update
+
+    def counting_update(self, x2d):
+        rows_seen.append(x2d.shape[0])
+        update(self, x2d)
+
+    monkeypatch.setattr(awq.GroupGram, "update", counting_update)
+    for clip_tokens, rows in ((None, 64), (16, 16)):
+        rows_seen.clear()
+        cfg = awq.AWQConfig(group_size=32, clip_tokens=clip_tokens)
+        clipped = awq.clip_layer(layer, arch, "model.layers.0", inputs, None, cfg, ())
+        assert "mlp.down_proj" in clipped and "self_attn.q_proj" not in clipped
+        # inputs of v_proj, o_proj, gate+up (one tensor, one Gram) and down_proj
+        assert rows_seen == [rows] * 4
