@@ -79,8 +79,7 @@ def _apply_gptq(ctx: StepContext, cfg: FP8Config, targets, input_scales: dict) -
                                                               cfg.weights, cfg.format, cfg.block_size)
             new = FP8Linear.from_weight(fw, module.bias, cfg.activations, input_scales.get(f"{prefix}.{name}"))
             solved[name] = new.to(module.weight.device)
-            stats[name] = {"loss": float(row_loss.sum()), "dampening_frac": frac, "retries": retries,
-                           "seconds": round(time.perf_counter() - start, 4)}
+            stats[name] = gptq.linear_stats(row_loss, frac, retries, time.perf_counter() - start)
         return solved
 
     layers, forward_dtype = gptq.walk_solving(ctx, gcfg, targets, solve)

@@ -168,9 +168,10 @@ def _gptq_solve_fp8(W, H, cfg: GPTQConfig, strategy: WeightStrategy, fmt: FP8For
     if cfg.actorder == "group":
         raise ValueError("FP8 GPTQ supports actorder none or static (its scales do not depend on the order)")
     scale = weight_scale(W, strategy, fmt, block)
-    per_element = element_scale(scale, W.shape, strategy, block).expand(W.shape)
+    per_element = element_scale(scale, W.shape, strategy, block).expand(W.shape)  # a view unless block
     Wp, _, perm, U, frac, retries = _prepare(W, H, cfg)
-    grid = _FP8Grid(per_element if perm is None else per_element[:, perm], fmt)
+    # tensor and channel scales are the same in every column: only block scales follow the permutation
+    grid = _FP8Grid(per_element if perm is None or strategy != "block" else per_element[:, perm], fmt)
     Q, row_loss = _solve_blocks(Wp, U, grid, cfg.block_size)
     if perm is not None:
         Q = Q[:, torch.argsort(perm)]
@@ -196,7 +197,7 @@ class _FP8Grid:
     """Per-element FP8 scales (rows, cols) in processing order, fixed before GPTQ runs."""
 
     def __init__(self, scale: torch.Tensor, fmt: FP8Format):
-        self.scale_t, self.fmt = scale.t().contiguous(), fmt  # a column's scales: one row here
+        self.scale_t, self.fmt = scale.t(), fmt  # a column's scales: one row here (a view, no copy)
 
     def begin(self, j: int, Wt_rest: torch.Tensor) -> None:
         pass
@@ -360,7 +361,7 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
                                                                    module.bias))
     return {"quantized": list(targets.linears), "ignored": targets.ignored,
             "forward_dtype": forward_dtype, "round_to_nearest": list(outside),
-            "damping_retries": damping_retries(layers), "layers": list(layers)}
+            "damping_retries": damping_retries(layers), "layers": layers}
 
 
 def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve) -> tuple[list[dict], str]:
@@ -391,6 +392,12 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve) -> tuple[lis
                   micro_batch=cfg.micro_batch, forward_dtype=forward_dtype, final_outputs=False,
                   store=ctx.layer_store)
     return list(layers), str(forward_dtype).removeprefix("torch.")
+
+
+def linear_stats(row_loss: torch.Tensor, dampening_frac: float, retries: int, seconds: float) -> dict:
+    """One linear's record in a layer's "linears" (damping_retries and the report read it)."""
+    return {"loss": float(row_loss.sum()), "dampening_frac": dampening_frac, "retries": retries,
+            "seconds": round(seconds, 4)}
 
 
 def damping_retries(layers) -> list[dict]:
@@ -434,8 +441,7 @@ def _solve_shared(layer, members, H, cfg: GPTQConfig, stats: dict) -> dict[str, 
         qw = _row_slice(result.weight, rows)
         _set_weight(module, qw.dequantize().to(w.dtype))  # later groups see the quantized layer
         solved[name] = qw
-        stats[name] = {"loss": float(result.row_loss[rows].sum()), "dampening_frac": result.dampening_frac,
-                       "retries": result.retries, "seconds": round(seconds, 4)}
+        stats[name] = linear_stats(result.row_loss[rows], result.dampening_frac, result.retries, seconds)
     return solved
 
 
