@@ -2,6 +2,7 @@
 context (weights + KV cache + activations), a fit table per budget, and the measured peak."""
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from dataclasses import dataclass
@@ -168,6 +169,9 @@ def measure_peak(fn: Callable[[], object], device: torch.device) -> tuple[object
         peak = torch.cuda.max_memory_allocated(device)
         return result, {"method": "torch.cuda.max_memory_allocated", "before_bytes": before,
                         "peak_bytes": peak, "increase_bytes": peak - before}
+    # garbage left by earlier work, collected while fn runs, would lower RSS under the baseline
+    # and hide fn's own allocations (seen: a 256 MiB tensor measured as a 0-byte increase)
+    gc.collect()
     if _reset_rss_peak():
         before = _proc_status_bytes("VmRSS")
         result = fn()

@@ -88,3 +88,31 @@ def test_kv_bytes_follow_a_kv_step_or_the_config():
     assert kv_bytes_for(MemoryConfig(), [{"name": "kv_cache", "bits": 8}]) == 1.0
     assert kv_bytes_for(MemoryConfig(), [{"name": "fp8", "kv_bits": 4}]) == 0.5
     assert kv_bytes_for(MemoryConfig(kv_bytes=4.0), [{"name": "kv_cache"}]) == 4.0
+
+
+def test_measured_peak_is_not_hidden_by_garbage_freed_while_it_runs():
+    """Garbage collected inside fn used to drop RSS under the baseline, so a 256 MiB tensor
+    read as a 0-byte increase (seen once in CI); the measurement collects garbage first."""
+    import gc
+
+    class Cycle:
+        pass
+
+    size = 256 * 2**20
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        garbage = Cycle()
+        garbage.me, garbage.t = garbage, torch.ones(2 * size // 4)  # held only by its own cycle
+        del garbage
+
+        def allocate():
+            gc.collect()  # as an automatic collection running inside fn would
+            t = torch.ones(size // 4)
+            return float(t[-1])
+
+        _, peak = measure_peak(allocate, torch.device("cpu"))
+    finally:
+        if enabled:
+            gc.enable()
+    assert peak["increase_bytes"] >= 0.9 * size
