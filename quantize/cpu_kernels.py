@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from lowbit.calibrate.cache import cache_dir
 
@@ -63,6 +64,18 @@ def pack_int4(codes: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
+TILE_ROWS = 4  # output rows per tile of gemv_int4_bf16
+
+
+def pack_int4_tiles(codes: torch.Tensor) -> torch.Tensor:
+    """Signed codes (N, K) -> (ceil(N/4), K/64, 4, 32) uint8 for gemv_int4_bf16: pack_int4's
+    64-weight blocks, with the blocks of four rows side by side (rows past N are zero codes)."""
+    n, k = codes.shape
+    padded = -(-n // TILE_ROWS) * TILE_ROWS
+    blocks = pack_int4(F.pad(codes, (0, 0, 0, padded - n)), block=64)  # pads with code 0
+    return blocks.reshape(padded // TILE_ROWS, TILE_ROWS, k // 64, 32).transpose(1, 2).contiguous()
+
+
 def scale_offset(scale: torch.Tensor, zero: torch.Tensor | None, code_shift: int) -> torch.Tensor:
     """(N, G, 2) float32: w = u * s + b for a stored code u = q + code_shift, b = -(shift + z) * s."""
     shift = torch.full_like(scale, float(code_shift)) if zero is None else code_shift + zero.float()
@@ -85,11 +98,11 @@ MAX_ROWS = 16  # activation rows per call the kernels take; larger (prefill) run
 @dataclass(frozen=True)
 class CpuLayout:
     bits: int  # 4: nibbles (codes of 2-4 bits), 8: bytes (codes of 5-8 bits)
-    weight: torch.Tensor  # (N, K/2) uint8 or (N, K) int8
+    weight: torch.Tensor  # (N, K/2) uint8, (N, K) int8, or int4 tiles (N/4, K/64, 4, 32) uint8
     sb: torch.Tensor  # (N, G, 2) float32 scale and offset
     group: int  # input columns per scale
     perm: Optional[torch.Tensor]  # (K,) input order that makes act-order groups contiguous
-    bf16_dot: bool = False  # 4-bit with bf16 activations and vdpbf16ps (pack_int4 block 64)
+    bf16_dot: bool = False  # 4-bit with bf16 activations and vdpbf16ps (pack_int4_tiles)
 
 
 def layout_for(module) -> CpuLayout | str:
@@ -110,7 +123,7 @@ def layout_for(module) -> CpuLayout | str:
     scale = scale.expand(n, k // group)  # per-tensor (1, 1) becomes one scale per row
     zero = None if zero is None else zero.expand(n, k // group)
     if bits == 4 and bf16_dot_available() and group % 64 == 0:
-        return CpuLayout(4, pack_int4(codes, block=64), scale_offset(scale, zero, 8), group, perm, bf16_dot=True)
+        return CpuLayout(4, pack_int4_tiles(codes), scale_offset(scale, zero, 8), group, perm, bf16_dot=True)
     if bits == 4:
         return CpuLayout(4, pack_int4(codes), scale_offset(scale, zero, 8), group, perm)
     return CpuLayout(8, codes.contiguous(), scale_offset(scale, zero, 0), group, perm)
@@ -128,11 +141,10 @@ class CpuKernel:
         return x.device.type == "cpu" and x.numel() // x.shape[-1] <= MAX_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # Few torch calls: at decode, each costs about a microsecond next to a ~10 us kernel.
         lay = self.layout
-        x2 = x.reshape(-1, x.shape[-1])
-        if lay.perm is not None:
-            x2 = x2.index_select(1, lay.perm)
-        y = self.fn(x2.float().contiguous(), lay.weight, lay.sb, lay.group)
+        xk = x if lay.perm is None else x.index_select(-1, lay.perm)
+        y = self.fn(xk.float().contiguous(), lay.weight, lay.sb, lay.group)  # (..., N), x's leading dims
         if self.bias is not None:
             y += self.bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        return y.to(x.dtype)
