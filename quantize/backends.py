@@ -1,12 +1,13 @@
 """Runtime backends for QuantLinear: one `backend` setting picks the matmul each layer runs.
 
 `prepare(model, backend)` packs every QuantLinear's codes once into the chosen kernel's layout
-and attaches the kernel; QuantLinear.forward then calls it for the inputs it accepts (decode-
-sized batches) and runs the reference path (dequantize + F.linear) for the rest. A layer that
-a kernel cannot take (bit width, group size, shape) keeps the reference path and is reported.
+and attaches the kernel (FP8Linear too, on the CPU); the module's forward then calls it for the
+inputs it accepts (decode-sized batches) and runs the reference path (dequantize + F.linear) for
+the rest. A layer that a kernel cannot take (bit width, group size, shape) keeps the reference
+path and is reported.
 
   reference   dequantize + F.linear everywhere (the definition every backend is tested against)
-  cpu_avx512  quantize/csrc/gemv_avx512.cpp: int2-4 codes as nibbles, int5-8 as bytes
+  cpu_avx512  quantize/csrc/gemv_avx512.cpp: int2-4 codes as nibbles, int5-8 as bytes, FP8 bytes
   cuda_int4   torch's tinygemm (torch._weight_int4pack_mm), 4-bit groups of 32-256
   cuda_int8   int8 weight-only: per-channel symmetric codes cast in the matmul
   auto        the fastest available one for the device the layer's codes are on
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from . import cpu_kernels, cuda_kernels
+from .fp8_linear import FP8Linear
 from .qlinear import QuantLinear
 
 Backend = Literal["reference", "auto", "cpu_avx512", "cuda_int4", "cuda_int8"]
@@ -26,22 +28,25 @@ BACKENDS = get_args(Backend)
 
 
 def prepare(model: nn.Module, backend: Backend = "auto") -> dict[str, str]:
-    """Attach `backend`'s kernel to every QuantLinear in model; returns layer -> what it runs.
+    """Attach `backend`'s kernel to every QuantLinear and FP8Linear in model; returns layer ->
+    what it runs.
 
     Call it after moving the model to its device; moving it later needs a new prepare()."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
     chosen = {}
     for name, module in model.named_modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, (QuantLinear, FP8Linear)):
             module.kernel, chosen[name] = make_kernel(module, backend)
     return chosen
 
 
-def make_kernel(module: QuantLinear, backend: Backend):
+def make_kernel(module: QuantLinear | FP8Linear, backend: Backend):
     """(kernel or None, description) for one layer."""
     if backend == "reference":
         return None, "reference"
+    if isinstance(module, FP8Linear):
+        return _fp8_kernel(module, backend)
     if module.input_quant is not None:
         return None, "int8 inputs (W8A8): quantized-input path, not a weight-only kernel"
     candidates = auto_candidates(module.weight_codes.device) if backend == "auto" else [backend]
@@ -74,6 +79,20 @@ def _cpu_avx512(module: QuantLinear):
     if ext is None:
         return None, "the extension did not build (see the warning)"
     return cpu_kernels.CpuKernel(ext, layout, module.bias), None
+
+
+def _fp8_kernel(module: FP8Linear, backend: Backend):
+    """FP8 layers: the CPU kernel, or FP8Linear's own paths (torch._scaled_mm on FP8 GPUs)."""
+    if module.weight.device.type != "cpu":
+        return None, f"reference (FP8Linear on {module.weight.device} runs torch._scaled_mm itself where the GPU has FP8)"
+    if backend != "auto" and backend != "cpu_avx512":
+        return None, f"reference ({backend} takes no FP8 layers)"
+    found = cpu_kernels.fp8_group_scales(module)
+    if isinstance(found, str):
+        return None, f"reference (cpu_avx512: {found})"
+    if cpu_kernels.cpu_supported() is not None or (ext := cpu_kernels.load()) is None:
+        return None, "reference (cpu_avx512: the extension is unavailable)"
+    return cpu_kernels.CpuFp8Kernel(ext, module, *found), "cpu_avx512"
 
 
 BUILDERS = {

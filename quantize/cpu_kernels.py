@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 from lowbit.calibrate.cache import cache_dir
 
+from .fp8 import quantize_activation
+
 SOURCE = Path(__file__).with_name("csrc") / "gemv_avx512.cpp"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
 
@@ -145,6 +147,50 @@ class CpuKernel:
         lay = self.layout
         xk = x if lay.perm is None else x.index_select(-1, lay.perm)
         y = self.fn(xk.float().contiguous(), lay.weight, lay.sb, lay.group)  # (..., N), x's leading dims
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype)
+
+
+def fp8_group_scales(module) -> tuple[torch.Tensor, int] | str:
+    """(scales (N, K/group) float32, group) for an FP8Linear's weight, with E4M3's 2^8 folded in
+    (gemv_fp8 decodes E4M3 bytes to value * 2^-8), or why the kernel cannot take it."""
+    n, k = module.weight.shape
+    scale = module.weight_scale.float()
+    if module.weight_strategy == "block":
+        group = module.block_size
+        if k % group or group % 16:
+            return f"in_features {k} is not a multiple of the {group}-column weight blocks"
+        scale = scale.repeat_interleave(group, dim=0)[:n]  # (N, K/group)
+    else:
+        group = k
+        scale = scale.expand(n, 1)  # per tensor or per channel: one group per row
+    if k % 16:
+        return f"in_features {k} is not a multiple of 16"
+    return (scale * (256.0 if module.fmt == "e4m3" else 1.0)).contiguous(), group
+
+
+class CpuFp8Kernel:
+    """Callable attached to an FP8Linear: its activations rounded onto the FP8 grid as the
+    reference path does (same function), then the codes times the FP8 weight bytes."""
+
+    def __init__(self, ext, module, scales: torch.Tensor, group: int):
+        self.fn, self.module, self.scales, self.group = ext.gemv_fp8, module, scales, group
+        self.codes = module.weight.view(torch.uint8)
+        self.bias = None if module.bias is None else module.bias.float()
+        self.nbytes = sum(t.nbytes for t in (self.codes, scales, self.bias) if t is not None)  # read per call
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.numel() // x.shape[-1] <= MAX_ROWS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        if m.activations == "none":
+            y = self.fn(x.float().contiguous(), self.codes, self.scales, self.group, m.fmt == "e4m3")
+        else:
+            x_scale = m.input_scale_for(x)  # per token (..., 1) or the static scalar
+            codes = quantize_activation(x, x_scale, m.fmt).float().contiguous()
+            y = self.fn(codes, self.codes, self.scales, self.group, m.fmt == "e4m3") * x_scale.float()
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype)

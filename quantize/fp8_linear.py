@@ -4,9 +4,11 @@ Buffers (names kept for export): `weight` (out, in) float8, `weight_scale` float
 (out, 1) or block grid), `input_scale` float32 scalar for static activations (None otherwise),
 `bias` float32 or None.
 
-Two paths give the same maths: on a GPU with FP8 tensor cores (CUDA capability >= 8.9: Ada,
-Hopper) `torch._scaled_mm` multiplies the FP8 codes directly; elsewhere the reference path
-fake-quantizes the activations and multiplies by the dequantized weight.
+Three paths give the same maths: on a GPU with FP8 tensor cores (CUDA capability >= 8.9: Ada,
+Hopper) `torch._scaled_mm` multiplies the FP8 codes directly; on an AVX-512 CPU, once
+quantize.backends.prepare() has attached it, a kernel decodes the FP8 bytes in registers
+(decode-sized batches); elsewhere the reference path fake-quantizes the activations and
+multiplies by the dequantized weight.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ ActivationMode = Literal["dynamic", "static", "none"]  # none: FP8 weights, 16-b
 
 
 class FP8Linear(nn.Module):
+    kernel = None  # a CPU kernel attached by quantize.backends.prepare(), else None
+
     def __init__(self, in_features: int, out_features: int, fmt: FP8Format, weight_strategy: WeightStrategy,
                  activations: ActivationMode, bias: bool, scale_shape: tuple[int, int], block_size: int = 128):
         super().__init__()
@@ -57,6 +61,8 @@ class FP8Linear(nn.Module):
         return dynamic_token_scale(x, self.fmt) if self.activations == "dynamic" else self.input_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and self.kernel.accepts(x):
+            return self.kernel(x)
         if self.can_use_scaled_mm(x):
             return self._forward_scaled_mm(x)
         return self._forward_reference(x)

@@ -224,6 +224,84 @@ torch::Tensor gemv_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sb, 
   return y;
 }
 
+// ---- FP8 weights (E4M3 or E5M2) x float32 activations ----
+// A byte becomes an fp16 bit pattern in one to three integer ops, and vcvtph2ps makes it an exact
+// float (subnormals included). E5M2 is fp16's top byte. E4M3 moved up 7 bits lands its exponent
+// and mantissa in fp16's fields (value * 2^-8: the bias differs by 8, folded into the scales) with
+// the sign at bit 14; adding that bit to itself carries it into bit 15.
+// Layout fp8: (N, K) uint8, the float8 bytes as they are; scales (N, G) float32 per group.
+namespace {
+
+template <bool E4M3>
+inline __m512 fp8_chunk(const uint8_t* w) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)w));
+  if (!E4M3) return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+  const __m256i t = _mm256_slli_epi16(b, 7);
+  return _mm512_cvtph_ps(_mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000))));
+}
+
+// One output row for MB activation rows; the row (K bytes) stays in L1/L2 across row blocks.
+template <int MB, bool E4M3>
+void fp8_row(const float* x, int64_t ldx, const uint8_t* w, const float* scales, int64_t K, int64_t group,
+             float* y, int64_t ldy) {
+  __m512 total[MB];
+  for (int m = 0; m < MB; ++m) total[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / group; ++g) {
+    __m512 acc[MB][2];
+    for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    int64_t c = g * group;
+    const int64_t end = c + group;
+    for (; c + 32 <= end; c += 32) {
+      _mm_prefetch((const char*)(w + c) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512 w0 = fp8_chunk<E4M3>(w + c), w1 = fp8_chunk<E4M3>(w + c + 16);
+      for (int m = 0; m < MB; ++m) {
+        acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * ldx + c), acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * ldx + c + 16), acc[m][1]);
+      }
+    }
+    if (c < end) {  // group % 32 == 16
+      const __m512 w0 = fp8_chunk<E4M3>(w + c);
+      for (int m = 0; m < MB; ++m) acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * ldx + c), acc[m][0]);
+    }
+    const __m512 s = _mm512_set1_ps(scales[g]);
+    for (int m = 0; m < MB; ++m) total[m] = _mm512_fmadd_ps(_mm512_add_ps(acc[m][0], acc[m][1]), s, total[m]);
+  }
+  for (int m = 0; m < MB; ++m) y[m * ldy] = _mm512_reduce_add_ps(total[m]);
+}
+
+template <bool E4M3>
+void fp8_rows(const float* xp, const uint8_t* wp, const float* sp, int64_t M, int64_t N, int64_t K, int64_t group,
+              float* yp) {
+  const int64_t G = K / group;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for_row_blocks(M, [&](auto mb, int64_t m) {
+        fp8_row<decltype(mb)::value, E4M3>(xp + m * K, K, wp + n * K, sp + n * G, K, group, yp + m * N + n, N);
+      });
+  });
+}
+
+}  // namespace
+
+// y = x @ (W * scales)^T, W's float8 bytes as uint8. E4M3 scales must include the factor 2^8.
+torch::Tensor gemv_fp8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t group, bool e4m3) {
+  const int64_t N = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32");
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(K % group == 0 && group % 16 == 0, "K=", K, " group=", group, " unsupported");
+  TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.size(0) == N &&
+              scales.size(1) == K / group, "scales must be (N, K/group) float32");
+  const int64_t M = x.numel() / K;
+  auto y = output_for(x, N, false);
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  if (e4m3) fp8_rows<true>(xp, wp, sp, M, N, K, group, y.data_ptr<float>());
+  else fp8_rows<false>(xp, wp, sp, M, N, K, group, y.data_ptr<float>());
+  return y;
+}
+
 // ---- int4 weights x bf16 activations with AVX512-BF16 dot products (vdpbf16ps) ----
 // A nibble u becomes the bf16 value 128 + u by OR-ing 0x4300 into its 16-bit lane (bf16 has 7
 // mantissa bits, so 128..143 are exact): one zero-extension and two ALU ops decode 64 weights,
@@ -237,6 +315,20 @@ torch::Tensor gemv_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sb, 
 namespace {
 
 constexpr int kTileRows = 4;
+
+// x (rows * group floats, in groups) -> bf16 bits and each group's sum of the rounded values.
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void round_to_bf16(const float* x, int64_t groups, int64_t group, uint16_t* xb, float* xsum) {
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+      const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k));
+      _mm256_storeu_si256((__m256i*)(xb + k), b);
+      sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+    }
+    xsum[g] = _mm512_reduce_add_ps(sum);
+  }
+}
 
 // Output rows n0..n0+3 for MB activation rows. w: the tile; sb: row n0's (G, 2), rows at stride 2G.
 template <int MB>
@@ -297,16 +389,11 @@ torch::Tensor gemv_int4_bf16(torch::Tensor x, torch::Tensor tiles, torch::Tensor
   TORCH_CHECK(group % 64 == 0, "group ", group, " is not a multiple of 64");
   TORCH_CHECK(tiles.size(0) == (N + kTileRows - 1) / kTileRows, "sb has ", N, " rows, the tiles ", tiles.size(0) * kTileRows);
   TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous(), "tiles must be contiguous uint8");
-  // x rounded to bf16 once per call, and its per-group sums from those same rounded values
-  // (a plain loop: at batch 1, torch ops here cost more dispatch time than the arithmetic)
+  // x rounded to bf16 once per call (vcvtneps2bf16: round to nearest even), and its per-group
+  // sums from those same rounded values; serial, so it must cost little next to the GEMV.
   std::vector<uint16_t> xb(M * K);
-  std::vector<float> xsum(M * G, 0.f);
-  const float* xf = x.data_ptr<float>();
-  for (int64_t i = 0; i < M * K; ++i) {
-    const c10::BFloat16 b(xf[i]);  // round to nearest even
-    xb[i] = b.x;
-    xsum[(i / K) * G + (i % K) / group] += static_cast<float>(b);
-  }
+  std::vector<float> xsum(M * G);
+  round_to_bf16(x.data_ptr<float>(), M * G, group, xb.data(), xsum.data());
   auto y = output_for(x, N, false);
   const uint16_t* xp = xb.data();
   const float* xs = xsum.data();
@@ -338,5 +425,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_int4", &gemv_int4, "y = x @ W^T with W packed int4 (per-group scale and offset)");
   m.def("gemv_int8", &gemv_int8, "y = x @ W^T with W int8 codes (per-group scale and offset)");
   m.def("gemv_int4_bf16", &gemv_int4_bf16, "y = x @ W^T, W in int4 tiles of four rows, x rounded to bf16");
+  m.def("gemv_fp8", &gemv_fp8, "y = x @ W^T, W float8 bytes (E4M3 or E5M2) with per-group scales");
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether this CPU runs gemv_int4_bf16");
 }

@@ -1,0 +1,68 @@
+"""The CPU FP8 kernel must give FP8Linear's reference output, and decode every FP8 byte exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.quantize import backends, cpu_kernels
+from lowbit.quantize.fp8 import FP8_DTYPES, FP8Weight, quantize_weight_fp8
+from lowbit.quantize.fp8_linear import FP8Linear
+
+pytestmark = pytest.mark.skipif(cpu_kernels.cpu_supported() is not None, reason="CPU without AVX-512")
+
+
+def make_fp8_layer(out: int, inp: int, fmt: str, strategy: str, activations: str) -> FP8Linear:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out, inp, generator=g) * 0.05
+    w[:, 3] *= 40  # an outlier column: block scales differ across the row
+    static = torch.tensor(0.03) if activations == "static" else None
+    return FP8Linear.from_weight(quantize_weight_fp8(w, strategy, fmt), torch.randn(out, generator=g), activations,
+                                 static)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("activations", ["dynamic", "static", "none"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_cpu_fp8_kernel_matches_reference(fmt, strategy, activations, rows):
+    layer = make_fp8_layer(200, 384, fmt, strategy, activations)  # 384: three 128-column blocks
+    x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(1)) * 2
+    expected = layer(x)
+    assert backends.prepare(layer, "cpu_avx512") == {"": "cpu_avx512"}
+    got = layer(x)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_every_fp8_byte_decodes_exactly(fmt):
+    """Row i of the weight holds byte i in column 0: a unit input reads each decoded value back."""
+    codes = torch.zeros(256, 16, dtype=torch.uint8)
+    codes[:, 0] = torch.arange(256, dtype=torch.uint8)
+    values = codes[:, 0].view(FP8_DTYPES[fmt]).float()
+    finite = values.isfinite()
+    codes[~finite, 0] = 0  # NaN / inf bytes are never written by a saturating cast
+    data = codes.view(FP8_DTYPES[fmt])
+    scale = torch.full((256, 1), 0.5)
+    layer = FP8Linear.from_weight(FP8Weight(data, scale, fmt, "channel"), None, "none")
+    backends.prepare(layer, "cpu_avx512")
+    x = torch.zeros(1, 16)
+    x[0, 0] = 1.0
+    got = layer(x)[0]
+    assert torch.equal(got[finite], values[finite] * 0.5)  # subnormals included, signs kept
+    assert (values[finite] != 0).sum() > 200  # the test saw real values, not a zeroed weight
+
+
+def test_fp8_layers_the_kernel_cannot_take_keep_the_reference_path():
+    layer = make_fp8_layer(64, 200, "e4m3", "block", "dynamic")  # 200 columns: a partial block
+    chosen = backends.prepare(layer, "auto")
+    assert layer.kernel is None and "128-column weight blocks" in chosen[""]
+    assert backends.prepare(make_fp8_layer(64, 256, "e4m3", "channel", "dynamic"), "cuda_int8") == {
+        "": "reference (cuda_int8 takes no FP8 layers)"}
+
+
+def test_prefill_sized_inputs_take_the_reference_path():
+    layer = make_fp8_layer(64, 256, "e4m3", "channel", "dynamic")
+    backends.prepare(layer, "auto")
+    assert layer.kernel.accepts(torch.randn(1, 256))
+    assert not layer.kernel.accepts(torch.randn(cpu_kernels.MAX_ROWS + 1, 256))
