@@ -1,4 +1,4 @@
-"""AVX-512 weight-only GEMV for CPU decode: built from csrc/gemv_avx512.cpp on first use.
+"""AVX-512 weight-only GEMV for CPU decode: built from csrc/ (gemv_avx512.cpp, gemv_bf16.cpp) on first use.
 
 The build (g++ and ninja, through torch.utils.cpp_extension) is cached under
 $LOWBIT_CACHE/kernels; when it fails, or the CPU lacks AVX-512, `load()` returns None with
@@ -21,7 +21,9 @@ from lowbit.calibrate.cache import cache_dir
 
 from .fp8 import quantize_activation
 
-SOURCE = Path(__file__).with_name("csrc") / "gemv_avx512.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "gemv_avx512.cpp", CSRC / "gemv_bf16.cpp"]
+HEADERS = [CSRC / "gemv_common.h"]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
 
 
@@ -41,7 +43,7 @@ def load():
         try:
             return _build()
         except Exception as err:  # a missing compiler or ninja shows up as several error types
-            reason = f"building {SOURCE.name} failed: {type(err).__name__}: {err}"
+            reason = f"building {', '.join(p.name for p in SOURCES)} failed: {type(err).__name__}: {err}"
     warnings.warn(f"lowbit: CPU low-bit kernels unavailable ({reason}); using the reference "
                   "path (dequantize + F.linear)", RuntimeWarning, stacklevel=2)
     return None
@@ -50,10 +52,11 @@ def load():
 def _build():
     from torch.utils.cpp_extension import load as load_extension
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    digest = hashlib.sha256(code + " ".join(FLAGS).encode()).hexdigest()[:12]
     name = f"lowbit_gemv_{digest}"  # a new source or flags is a new module, never a stale one
     build_dir = cache_dir("kernels", f"torch{torch.__version__}", name)
-    return load_extension(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+    return load_extension(name, [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                           build_directory=str(build_dir), verbose=False)
 
 
@@ -104,7 +107,12 @@ class CpuLayout:
     sb: torch.Tensor  # (N, G, 2) float32 scale and offset
     group: int  # input columns per scale
     perm: Optional[torch.Tensor]  # (K,) input order that makes act-order groups contiguous
-    bf16_dot: bool = False  # 4-bit with bf16 activations and vdpbf16ps (pack_int4_tiles)
+    # activations rounded to bf16 for vdpbf16ps: 4-bit (pack_int4_tiles) at every batch size,
+    # 8-bit in batches of 2+ rows (batch 1 is memory-bound and stays float32)
+    bf16_dot: bool = False
+
+    def bf16_activations(self, rows: int) -> bool:
+        return self.bf16_dot and (self.bits == 4 or rows > 1)
 
 
 def layout_for(module) -> CpuLayout | str:
@@ -128,7 +136,8 @@ def layout_for(module) -> CpuLayout | str:
         return CpuLayout(4, pack_int4_tiles(codes), scale_offset(scale, zero, 8), group, perm, bf16_dot=True)
     if bits == 4:
         return CpuLayout(4, pack_int4(codes), scale_offset(scale, zero, 8), group, perm)
-    return CpuLayout(8, codes.contiguous(), scale_offset(scale, zero, 0), group, perm)
+    return CpuLayout(8, codes.contiguous(), scale_offset(scale, zero, 0), group, perm,
+                     bf16_dot=bf16_dot_available() and group % 32 == 0)
 
 
 class CpuKernel:
@@ -137,6 +146,7 @@ class CpuKernel:
     def __init__(self, ext, layout: CpuLayout, bias: Optional[torch.Tensor]):
         self.layout, self.bias = layout, None if bias is None else bias.float()
         self.fn = ext.gemv_int8 if layout.bits == 8 else ext.gemv_int4_bf16 if layout.bf16_dot else ext.gemv_int4
+        self.flags = (layout.bf16_dot,) if layout.bits == 8 else ()  # gemv_int8's bf16_batches
         self.nbytes = sum(t.nbytes for t in (layout.weight, layout.sb, bias) if t is not None)  # read per call
 
     def accepts(self, x: torch.Tensor) -> bool:
@@ -146,7 +156,7 @@ class CpuKernel:
         # Few torch calls: at decode, each costs about a microsecond next to a ~10 us kernel.
         lay = self.layout
         xk = x if lay.perm is None else x.index_select(-1, lay.perm)
-        y = self.fn(xk.float().contiguous(), lay.weight, lay.sb, lay.group)  # (..., N), x's leading dims
+        y = self.fn(xk.float().contiguous(), lay.weight, lay.sb, lay.group, *self.flags)  # (..., N), x's leading dims
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype)
@@ -174,8 +184,15 @@ class CpuFp8Kernel:
     """Callable attached to an FP8Linear: its activations rounded onto the FP8 grid as the
     reference path does (same function), then the codes times the FP8 weight bytes."""
 
+    def bf16_activations(self, rows: int) -> bool:
+        return self.module.activations == "none" and self.flags[1] and rows > 1
+
     def __init__(self, ext, module, scales: torch.Tensor, group: int):
         self.fn, self.module, self.scales, self.group = ext.gemv_fp8, module, scales, group
+        # batches of 2+ rows on bf16 dot products: exact for FP8-coded inputs; with 16-bit
+        # inputs (activations "none") they round to bf16, as W8A16 does, unless opted out
+        coded = module.activations != "none"
+        self.flags = (module.fmt == "e4m3", bool(ext.has_avx512_bf16()) if coded else bf16_dot_available())
         self.codes = module.weight.view(torch.uint8)
         self.bias = None if module.bias is None else module.bias.float()
         self.nbytes = sum(t.nbytes for t in (self.codes, scales, self.bias) if t is not None)  # read per call
@@ -186,11 +203,11 @@ class CpuFp8Kernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
         if m.activations == "none":
-            y = self.fn(x.float().contiguous(), self.codes, self.scales, self.group, m.fmt == "e4m3")
+            y = self.fn(x.float().contiguous(), self.codes, self.scales, self.group, *self.flags)
         else:
             x_scale = m.input_scale_for(x)  # per token (..., 1) or the static scalar
             codes = quantize_activation(x, x_scale, m.fmt).float().contiguous()
-            y = self.fn(codes, self.codes, self.scales, self.group, m.fmt == "e4m3") * x_scale.float()
+            y = self.fn(codes, self.codes, self.scales, self.group, *self.flags) * x_scale.float()
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype)

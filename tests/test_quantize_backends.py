@@ -40,10 +40,10 @@ def make_layer(out: int, inp: int, scheme: IntScheme, bias: bool = True, seed: i
 
 
 def assert_matches_reference(layer: QuantLinear, x: torch.Tensor, backend: str, rtol: float = 1e-5):
-    """The kernel's output equals the reference path's to rtol (of the largest output). A 4-bit
-    kernel with bf16 dot products rounds x to bf16 first (W4A16: 16-bit activations); it must
-    then equal the reference on that rounded x just as tightly (1e-4: fp32 sums in another
-    order), and the unrounded reference to bf16 precision."""
+    """The kernel's output equals the reference path's to rtol (of the largest output). A kernel
+    with bf16 dot products (4-bit; 8-bit in batches) rounds x to bf16 first (16-bit activations);
+    it must then equal the reference on that rounded x just as tightly (1e-4: fp32 sums in
+    another order), and the unrounded reference to bf16 precision."""
     expected = layer(x)  # no kernel attached yet: the reference path
     expected_bf16_x = layer(x.bfloat16().to(x.dtype))
     chosen = backends.prepare(layer, backend)
@@ -51,7 +51,8 @@ def assert_matches_reference(layer: QuantLinear, x: torch.Tensor, backend: str, 
     got = layer(x)
     assert got.shape == expected.shape and got.dtype == expected.dtype
     scale = expected.abs().max().item()
-    if getattr(getattr(layer.kernel, "layout", None), "bf16_dot", False):
+    layout = getattr(layer.kernel, "layout", None)
+    if layout is not None and layout.bf16_activations(x.numel() // x.shape[-1]):
         assert (got - expected_bf16_x).abs().max().item() <= max(rtol, 1e-4) * scale + 1e-6
         rtol = max(rtol, 1e-2)
     assert (got - expected).abs().max().item() <= rtol * scale + 1e-6
