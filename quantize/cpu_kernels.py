@@ -63,7 +63,7 @@ def _build():
 def pack_int4(codes: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Signed codes (N, K) in [-8, 8) -> (N, K/2) uint8, `block` weights per block/2 bytes: byte
     i of a block holds weight i (low nibble) and weight i + block/2 (high nibble), both as
-    code + 8. gemv_int4 reads blocks of 32, gemv_int4_bf16 blocks of 64."""
+    code + 8. gemv_int4 reads blocks of 32, pack_int4_tiles lays out blocks of 64."""
     n, k = codes.shape
     u = (codes.to(torch.int16) + 8).to(torch.uint8).reshape(n, k // block, 2, block // 2)
     return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
@@ -88,9 +88,10 @@ def scale_offset(scale: torch.Tensor, zero: torch.Tensor | None, code_shift: int
 
 
 def bf16_dot_available() -> bool:
-    """Whether 4-bit layers may use the bf16 dot-product kernel: the CPU has AVX512-BF16 and
-    LOWBIT_CPU_BF16_DOT is not 0. It rounds activations to bf16 (W4A16's 16-bit activations),
-    so its results differ from the float32 reference by bf16 rounding (~0.4% relative)."""
+    """Whether layers with 16-bit activations may round them to bf16 for the dot-product
+    kernels (4-bit at any batch size; 8-bit and FP8 weight-only in batches): the CPU has
+    AVX512-BF16 and LOWBIT_CPU_BF16_DOT is not 0. Results then differ from the float32
+    reference by bf16 rounding (~0.4% relative)."""
     if os.environ.get("LOWBIT_CPU_BF16_DOT", "1") == "0":
         return False
     ext = load()
@@ -184,9 +185,6 @@ class CpuFp8Kernel:
     """Callable attached to an FP8Linear: its activations rounded onto the FP8 grid as the
     reference path does (same function), then the codes times the FP8 weight bytes."""
 
-    def bf16_activations(self, rows: int) -> bool:
-        return self.module.activations == "none" and self.flags[1] and rows > 1
-
     def __init__(self, ext, module, scales: torch.Tensor, group: int):
         self.fn, self.module, self.scales, self.group = ext.gemv_fp8, module, scales, group
         # batches of 2+ rows on bf16 dot products: exact for FP8-coded inputs; with 16-bit
@@ -196,6 +194,9 @@ class CpuFp8Kernel:
         self.codes = module.weight.view(torch.uint8)
         self.bias = None if module.bias is None else module.bias.float()
         self.nbytes = sum(t.nbytes for t in (self.codes, scales, self.bias) if t is not None)  # read per call
+
+    def bf16_activations(self, rows: int) -> bool:
+        return self.module.activations == "none" and self.flags[1] and rows > 1
 
     def accepts(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.numel() // x.shape[-1] <= MAX_ROWS
