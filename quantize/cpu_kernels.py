@@ -151,16 +151,19 @@ class CpuKernel:
         self.nbytes = sum(t.nbytes for t in (layout.weight, layout.sb, bias) if t is not None)  # read per call
 
     def accepts(self, x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and x.numel() // x.shape[-1] <= MAX_ROWS
+        return x.is_cpu and x.numel() <= MAX_ROWS * x.shape[-1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # Few torch calls: at decode, each costs about a microsecond next to a ~10 us kernel.
+        # Few torch calls: at decode each costs about a microsecond next to a ~10 us kernel, so
+        # conversions that would return x itself are not called.
         lay = self.layout
         xk = x if lay.perm is None else x.index_select(-1, lay.perm)
-        y = self.fn(xk.float().contiguous(), lay.weight, lay.sb, lay.group, *self.flags)  # (..., N), x's leading dims
+        if xk.dtype != torch.float32 or not xk.is_contiguous():
+            xk = xk.float().contiguous()
+        y = self.fn(xk, lay.weight, lay.sb, lay.group, *self.flags)  # (..., N), x's leading dims
         if self.bias is not None:
             y += self.bias
-        return y.to(x.dtype)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def fp8_group_scales(module) -> tuple[torch.Tensor, int] | str:
@@ -199,7 +202,7 @@ class CpuFp8Kernel:
         return self.module.activations == "none" and self.flags[1] and rows > 1
 
     def accepts(self, x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and x.numel() // x.shape[-1] <= MAX_ROWS
+        return x.is_cpu and x.numel() <= MAX_ROWS * x.shape[-1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
