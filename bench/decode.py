@@ -4,6 +4,7 @@ the memory roofline, all measured in one process on the current device.
     python bench/decode.py                       # smollm2-135m and a ~1B random Llama, batch 1 and 8
     python bench/decode.py --models llama-1b --batches 1 --json
     python bench/decode.py --layers 16 --threads 1   # a shared CPU: no stalls at thread barriers
+    python bench/decode.py --models llama-8b --schemes bf16 w8a16 w4a16 fp8   # a GPU, Llama-3-8B's shape
 
 Only the decode steps are timed (prefill runs first, untimed); each figure is the median over
 --steps steps after --warmup (the fastest step is reported too: on a shared machine it is the
@@ -38,8 +39,14 @@ SCHEMES = {  # weights by RTN; w8a8 adds per-token INT8 inputs (torch._int_mm), 
     "fp8": None,
 }
 BASELINES = ("fp32", "bf16")
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
+RANDOM_LLAMAS = {  # configs where weights dominate decode, with N(0, 0.02) random weights
+    # TinyLlama's shape: 1.1B parameters at 22 layers, 0.83B at 16
+    "llama-1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                     num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048),
+    # Llama-3-8B's shape (8.0B parameters): for GPUs; float32 weights take 32 GB
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+}
 
 
 def sync(device: torch.device) -> None:
@@ -91,16 +98,18 @@ class BandwidthProbe:
         return {"sum_gbs": sum_gbs, "fp32_gemv_gbs": gemv_gbs, "gbs": max(sum_gbs, gemv_gbs)}
 
 
-def random_llama(layers: int, dtype=torch.float32):
-    """A Llama of TinyLlama's shape (1.1B parameters at 22 layers, 0.83B at 16) with N(0, 0.02)
-    weights, built uninitialised."""
+def random_llama(name: str, layers: int | None, device: torch.device, dtype=torch.float32):
+    """A float32 Llama of RANDOM_LLAMAS[name]'s shape (`layers` decoder layers, or the config's)
+    with N(0, 0.02) weights, built uninitialised on `device` (an 8B model is filled there in
+    seconds; on the CPU it would take minutes)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
-    config = LlamaConfig(**{**LLAMA_1B, "num_hidden_layers": layers}, bos_token_id=1, eos_token_id=2)
-    with no_init_weights():
+    shape = {**RANDOM_LLAMAS[name], **({"num_hidden_layers": layers} if layers else {})}
+    config = LlamaConfig(**shape, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    with no_init_weights(), device:
         model = LlamaForCausalLM(config).to(dtype)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
@@ -110,12 +119,12 @@ def random_llama(layers: int, dtype=torch.float32):
     return model.eval()
 
 
-def load(name: str, layers: int):
-    if name == "llama-1b":
-        return random_llama(layers)
+def load(name: str, layers: int | None, device: torch.device):
+    if name in RANDOM_LLAMAS:
+        return random_llama(name, layers, device)
     from lowbit.calibrate.models import load_model
 
-    return load_model(name)[0]
+    return load_model(name)[0].to(device)
 
 
 def quantized_copy(model: nn.Module, name: str, ignore: tuple[str, ...], share: bool) -> nn.Module:
@@ -202,7 +211,7 @@ def build_variants(model: nn.Module, names: list[str], args, device) -> dict:
 def bench_model(model_name: str, args, device) -> list[dict]:
     """Decode steps of all variants interleaved round-robin, so that load from other processes
     falls on all of them alike; medians per variant."""
-    model = load(model_name, args.layers).to(device)
+    model = load(model_name, args.layers, device)
     variants = build_variants(model, args.schemes, args, device)
     rows = []
     for batch in args.batches:
@@ -261,8 +270,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=16, help="timed decode steps")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--layers", type=int, default=22, help="decoder layers of llama-1b (all variants "
-                   "live at once: about 9.4 GB of RAM at 22 layers, 7 GB at 16)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers of the random llama-* "
+                   "models (default: the config's; all variants live at once: llama-1b takes about "
+                   "9.4 GB at 22 layers, 7 GB at 16)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of tables")
     return p.parse_args(argv)

@@ -1,0 +1,34 @@
+"""bench/decode.py end to end on one decoder layer of the 1B config: every scheme is timed and
+reported against the baselines and the roofline (figures are not asserted, only their shape)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from lowbit.quantize import cpu_kernels
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "decode.py"
+
+
+def run_bench(args: list[str], capsys) -> list[dict]:
+    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(args + ["--json"])
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+def test_decode_bench_reports_every_scheme(capsys):
+    schemes = ["fp32", "bf16", "w8a16", "w4a16", "w8a8", "fp8"]
+    rows = run_bench(["--models", "llama-1b", "--layers", "1", "--batches", "1", "2", "--steps", "2",
+                      "--warmup", "1", "--schemes", *schemes], capsys)
+    by = {(r["stat"], r["scheme"], r["batch"]): r for r in rows}
+    assert set(by) == {(stat, s, b) for stat in ("median", "best", "cpu-median") for s in schemes for b in (1, 2)}
+    mb = {s: by["median", s, 1]["step_mb"] for s in schemes}
+    assert mb["w4a16"] < mb["w8a16"] < mb["bf16"] < mb["fp32"]  # bytes each step must read
+    for batch in (1, 2):
+        assert max(by["median", s, batch]["vs_best_baseline"] for s in ("fp32", "bf16")) == 1.0
+    assert all(r["tokens_per_s"] > 0 and 0 < r["vs_roofline"] and r["bandwidth_gbs"] > 0 for r in rows)
+    if cpu_kernels.cpu_supported() is None:  # the quantized variants ran the AVX-512 kernels
+        assert {by["median", s, 1]["kernels"] for s in ("w8a16", "w4a16", "fp8")} == {"cpu_avx512"}
