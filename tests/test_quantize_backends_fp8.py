@@ -73,3 +73,20 @@ def test_prefill_sized_inputs_take_the_reference_path():
     backends.prepare(layer, "auto")
     assert layer.kernel.accepts(torch.randn(1, 256))
     assert not layer.kernel.accepts(torch.randn(cpu_kernels.MAX_ROWS + 1, 256))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("static_scale", [0.0, 0.01])
+def test_cpu_fp8_input_quantization_is_bitwise_the_reference(fmt, static_scale):
+    """Rows from 1e-12 to 1e3 in magnitude reach the subnormals, the ties and saturation."""
+    from lowbit.quantize.fp8 import dynamic_token_scale, quantize_activation
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 1024, generator=g) * torch.logspace(-12, 3, 16).unsqueeze(1)
+    x[1] = 0  # an all-zero row: scale 1
+    x[2, :8] = torch.tensor([1e-30, -1e-30, 2.0**-9 * 1.5, -(2.0**-10), 447.0, 440.0, 432.0, -433.0])
+    codes, scales = cpu_kernels.load().quantize_fp8_inputs(x, static_scale, fmt == "e4m3")
+    ref_scale = dynamic_token_scale(x, fmt) if static_scale == 0 else torch.full((16, 1), static_scale)
+    ref = quantize_activation(x, ref_scale, fmt).float()
+    assert torch.equal(codes.view(torch.int32), ref.view(torch.int32))  # signs of zero too
+    assert torch.equal(scales, ref_scale)

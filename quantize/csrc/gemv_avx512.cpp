@@ -16,6 +16,7 @@
 using namespace lowbit;
 
 torch::Tensor gemv_int4_bf16(torch::Tensor x, torch::Tensor tiles, torch::Tensor sb, int64_t group);
+std::vector<torch::Tensor> quantize_fp8_inputs(torch::Tensor x, double static_scale, bool e4m3);
 
 namespace {
 
@@ -276,5 +277,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_int8", &gemv_int8, "y = x @ W^T with W int8 codes (per-group scale and offset)");
   m.def("gemv_int4_bf16", &gemv_int4_bf16, "y = x @ W^T, W in int4 tiles of four rows, x rounded to bf16");
   m.def("gemv_fp8", &gemv_fp8, "y = x @ W^T, W float8 bytes (E4M3 or E5M2) with per-group scales");
+  m.def("quantize_fp8_inputs", &quantize_fp8_inputs, "x / scale on the FP8 grid (as float32) and the scales");
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether this CPU runs gemv_int4_bf16");
 }
