@@ -7,7 +7,7 @@ the rest. A layer that a kernel cannot take (bit width, group size, shape) keeps
 path and is reported.
 
   reference   dequantize + F.linear everywhere (the definition every backend is tested against)
-  cpu_avx512  quantize/csrc/gemv_avx512.cpp: int2-4 codes as nibbles, int5-8 as bytes, FP8 bytes
+  cpu_avx512  quantize/csrc/*.cpp: int2-4 codes as nibbles, int5-8 as bytes, FP8 bytes
   cuda_int4   torch's tinygemm (torch._weight_int4pack_mm), 4-bit groups of 32-256
   cuda_int8   int8 weight-only: per-channel symmetric codes cast in the matmul
   auto        the fastest available one for the device the layer's codes are on
@@ -84,7 +84,8 @@ def _cpu_avx512(module: QuantLinear):
 def _fp8_kernel(module: FP8Linear, backend: Backend):
     """FP8 layers: the CPU kernel, or FP8Linear's own paths (torch._scaled_mm on FP8 GPUs)."""
     if module.weight.device.type != "cpu":
-        return None, f"reference (FP8Linear on {module.weight.device} runs torch._scaled_mm itself where the GPU has FP8)"
+        where = module.weight.device
+        return None, f"reference (FP8Linear on {where} runs torch._scaled_mm itself where the GPU has FP8)"
     if backend != "auto" and backend != "cpu_avx512":
         return None, f"reference ({backend} takes no FP8 layers)"
     found = cpu_kernels.fp8_group_scales(module)

@@ -1,4 +1,4 @@
-"""AVX-512 weight-only GEMV for CPU decode: built from csrc/ (gemv_avx512.cpp, gemv_bf16.cpp) on first use.
+"""AVX-512 low-bit GEMV for CPU decode: built from csrc/*.cpp on first use.
 
 The build (g++ and ninja, through torch.utils.cpp_extension) is cached under
 $LOWBIT_CACHE/kernels; when it fails, or the CPU lacks AVX-512, `load()` returns None with
