@@ -41,8 +41,9 @@ float row_absmax(const float* x, int64_t K) {
 // (codes: x's shape, float32 FP8 values; scales: x's leading dims + (1,)). static_scale > 0 is
 // used for every row; otherwise each row gets its own.
 std::vector<torch::Tensor> quantize_fp8_inputs(torch::Tensor x, double static_scale, bool e4m3) {
-  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32");
-  const int64_t K = x.size(-1), M = x.numel() / K;
+  const int64_t K = x.dim() >= 1 ? x.size(-1) : 0;  // a 0-dim x fails the check below
+  lowbit::check_x(x, K);
+  const int64_t M = x.numel() / K;
   TORCH_CHECK(K % 16 == 0, "x has ", K, " features, not a multiple of 16");
   const Fp8Grid f = e4m3 ? Fp8Grid{448.f, 3, -6} : Fp8Grid{57344.f, 2, -14};
   auto codes = torch::empty_like(x);

@@ -177,7 +177,8 @@ torch::Tensor gemv_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sb, 
   float* yp = y.data_ptr<float>();
   if (M == 1) {
     std::vector<float> xsum(G, 0.f);  // a plain loop: a torch op here costs more in dispatch
-    for (int64_t i = 0; i < K; ++i) xsum[i / group] += xp[i];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) xsum[g] += xp[k];
     const float* xs = xsum.data();
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) int8_row_single(xp, xs, wp + n * K, sbp + n * G * 2, K, group, yp + n);
@@ -253,8 +254,7 @@ void fp8_rows(const float* xp, const uint8_t* wp, const float* sp, int64_t M, in
 torch::Tensor gemv_fp8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t group, bool e4m3,
                        bool bf16_batches) {
   const int64_t N = codes.size(0), K = codes.size(1);
-  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32");
-  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  check_x(x, K);
   TORCH_CHECK(K % group == 0 && group % 16 == 0, "K=", K, " group=", group, " unsupported");
   TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.size(0) == N &&

@@ -1,5 +1,5 @@
-// Shared by the AVX-512 GEMV sources (gemv_avx512.cpp, gemv_bf16.cpp): limits, input checks,
-// and the decoders both float32 and bf16 kernels use.
+// Shared by the AVX-512 kernel sources (gemv_avx512.cpp, gemv_bf16.cpp, fp8_inputs.cpp):
+// limits, input checks, and the decoders both float32 and bf16 kernels use.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -16,7 +16,7 @@ namespace lowbit {
 // never fault, so running past the end of a buffer is harmless.
 constexpr int64_t kPrefetchBytes = 8192;
 
-// Row n of the output for all M activation rows, in blocks of up to kMaxRows.
+// Row n of the output for all M activation rows, in blocks of up to 4.
 template <typename RowFn>
 void for_row_blocks(int64_t M, RowFn&& fn) {
   int64_t m = 0;
@@ -25,10 +25,15 @@ void for_row_blocks(int64_t M, RowFn&& fn) {
   if (M - m == 1) fn(std::integral_constant<int, 1>{}, m);
 }
 
-// x: contiguous float32 (..., K), any leading dims (M rows in all); sb: (N, K/group, 2).
-inline void check_inputs(const torch::Tensor& x, const torch::Tensor& sb, int64_t K, int64_t group, int64_t chunk) {
+// x: contiguous float32 (..., K), any leading dims (M rows in all).
+inline void check_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32");
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+}
+
+// x as check_x; sb: (N, K/group, 2).
+inline void check_inputs(const torch::Tensor& x, const torch::Tensor& sb, int64_t K, int64_t group, int64_t chunk) {
+  check_x(x, K);
   TORCH_CHECK(K % chunk == 0 && group % 16 == 0 && K % group == 0, "K=", K, " group=", group, " unsupported");
   TORCH_CHECK(sb.scalar_type() == torch::kFloat && sb.is_contiguous() && sb.size(1) == K / group, "sb must be (N, K/group, 2) float32");
 }
@@ -60,7 +65,7 @@ bool has_avx512_bf16();
 // rounded values. Needs AVX512-BF16.
 void round_to_bf16(const float* x, int64_t groups, int64_t group, uint16_t* xb, float* xsum);
 
-// Batches of 2+ rows on AVX512-BF16 dot products (gemv_bf16.cpp); y zero-initialised.
+// Batches of 2+ rows on AVX512-BF16 dot products (gemv_bf16.cpp); they write every y element.
 void int8_rows_bf16(const float* x, int64_t M, const int8_t* w, const float* sb, int64_t N, int64_t K,
                     int64_t group, float* y);
 void fp8_rows_bf16(const float* x, int64_t M, const uint8_t* w, const float* scales, int64_t N, int64_t K,
