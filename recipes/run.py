@@ -13,6 +13,7 @@ import yaml
 
 from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.data import calibration_batches
+from lowbit.calibrate.hardware import cpu_info
 from lowbit.calibrate.models import load_model
 from lowbit.evaluate.baseline import cached_baseline
 from lowbit.evaluate.memory import checkpoint_weight_bytes, model_weight_bytes
@@ -47,6 +48,8 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
     output = Path(output)
     checkpoint.check_output_dir(output, recipe.export.overwrite)  # fail before hours of work
     progress = RunProgress.open(output, recipe.to_dict(), resume)
+    hardware = cpu_info()  # what every CPU-dependent choice below was made for
+    print(f"[lowbit] CPU: {hardware.describe()}", file=sys.stderr)
     seconds: dict = {}
     timed = timer(seconds)
     model, tokenizer, seconds["load_s"] = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
@@ -89,6 +92,7 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
     results = {
         "lowbit_version": version("lowbit"),
         "model": info,
+        "hardware": hardware.to_dict(),
         "recipe": recipe.to_dict(),
         "quality": {
             "perplexity": quality["perplexity"],
