@@ -13,14 +13,13 @@ from torch import nn
 from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.data import CalibrationConfig, calibration_batches
 from lowbit.calibrate.models import load_model
+from lowbit.evaluate.baseline import cached_baseline
 from lowbit.evaluate.config import PerplexityProtocol
 from lowbit.evaluate.perplexity import perplexity
 from lowbit.quantize import fp8_step
 from lowbit.quantize.fp8 import dynamic_token_scale, fake_quantize_activation
 from lowbit.quantize.step import StepContext
 from lowbit.quantize.targets import replace_module, select_targets
-
-BASELINE = 16.687
 
 
 class FP8InputsOnly(nn.Module):
@@ -43,6 +42,8 @@ def main():
     args = p.parse_args()
     torch.manual_seed(0)
     model, tok, _ = load_model("smollm2-135m")
+    protocol = PerplexityProtocol()
+    base = cached_baseline("smollm2-135m", protocol, lambda: perplexity(model, tok, protocol))["perplexity"]
     cal = CalibrationConfig(samples=args.samples)
     ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: calibration_batches(cal, tok))
     start = time.time()
@@ -55,9 +56,9 @@ def main():
         fp8_step.apply(ctx, fp8_step.FP8Config(weights=args.weights, activations=args.activations,
                                                rounding=args.rounding))
     quantize_s = time.time() - start
-    ppl = perplexity(model, tok, PerplexityProtocol())["perplexity"]
+    ppl = perplexity(model, tok, protocol)["perplexity"]
     print(f"fp8 weights={args.weights} activations={args.activations} rounding={args.rounding}: "
-          f"ppl {ppl:.3f} ({100 * (ppl / BASELINE - 1):+.2f}% vs {BASELINE}) [quantize {quantize_s:.0f}s]")
+          f"ppl {ppl:.3f} ({100 * (ppl / base - 1):+.2f}% vs the unquantized {base:.3f}) [quantize {quantize_s:.0f}s]")
 
 
 if __name__ == "__main__":

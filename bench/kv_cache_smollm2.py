@@ -8,6 +8,7 @@ from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.data import CalibrationConfig, calibration_batches
 from lowbit.calibrate.models import load_model
 from lowbit.calibrate.observers import cached_kv_absmax
+from lowbit.evaluate.baseline import cached_baseline
 from lowbit.evaluate.config import PerplexityProtocol
 from lowbit.evaluate.kv_cache import measure_kv_cache
 from lowbit.evaluate.perplexity import eval_tokens, perplexity
@@ -16,6 +17,7 @@ from lowbit.quantize.kv_quant import KVCacheConfig
 
 model, tok, _ = load_model("smollm2-135m")
 proto = PerplexityProtocol()
+base = cached_baseline("smollm2-135m", proto, lambda: perplexity(model, tok, proto))["perplexity"]  # float weights, float cache
 batches = calibration_batches(CalibrationConfig(samples=int(sys.argv[1])), tok)
 t = time.time(); stats = cached_kv_absmax(model, batches); print(f"calibrated on {tuple(batches.shape)} [{time.time()-t:.0f}s]", flush=True)
 attns = kv_cache.attention_modules(model, arch_for(model))
@@ -28,6 +30,6 @@ for spec in sys.argv[2:]:
     kv_cache.attach(model, cfg)
     mem = measure_kv_cache(model, prompt)
     t = time.time(); p = perplexity(model, tok, proto)["perplexity"]
-    print(json.dumps({spec: {"perplexity": round(p, 4), "vs_16.687_pct": round(100 * (p / 16.687 - 1), 3),
+    print(json.dumps({spec: {"perplexity": round(p, 4), "baseline": round(base, 4), "vs_baseline_pct": round(100 * (p / base - 1), 3),
                              "ppl_s": round(time.time() - t), **mem}}), flush=True)
     kv_cache.detach(model)

@@ -17,6 +17,9 @@ from .cache import cache_dir
 from .checks import check_model_folder
 
 
+DEFAULT_DTYPE = torch.float32  # what a model is loaded in unless asked otherwise (the baseline's dtype)
+
+
 @dataclass(frozen=True)
 class BuiltinModel:
     name: str
@@ -84,7 +87,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+def load_model(name: str, dtype: torch.dtype = DEFAULT_DTYPE, trust_remote_code: bool = False,
                allow_pickle: bool = False):
     """(model, tokenizer, load seconds) for a built-in name, a local folder or a hub id.
 

@@ -85,4 +85,4 @@ def bnb_quality(model_name: str, mode: str, model, tokenizer, cfg: EvaluateConfi
         return out
 
     key = _BnbKey(mode, cfg.perplexity, dataclasses.replace(cfg.kl, enabled=cfg.kl.enabled and reference.available))
-    return cached_baseline(f"bnb:{model_name}", key, measure)
+    return cached_baseline(model_name, key, measure)  # the key holds the mode

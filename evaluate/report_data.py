@@ -61,6 +61,14 @@ def _row(label, kind, model, ppl, base_ppl, quality, memory, speed, extra=None) 
     return {**row, **(extra or {})}
 
 
+def baseline_label(run: dict) -> str:
+    """What the baseline row is: its quality and speed come from the model as it ran (float32
+    weights on the CPU unless recorded otherwise), its bytes from a 16-bit checkpoint."""
+    dtype = _get(run, "model", "dtype")
+    ran = f"{dtype} weights" if dtype else "weights as loaded"
+    return f"unquantized ({ran}; bytes as 16-bit)"
+
+
 def rows_for(runs: list[dict], labels: Optional[list[str]] = None) -> tuple[list[dict], list[str]]:
     """(rows, notes): one row per run, plus baseline and bnb rows once per model."""
     rows, notes, seen = [], [], set()
@@ -77,7 +85,7 @@ def rows_for(runs: list[dict], labels: Optional[list[str]] = None) -> tuple[list
                         "fit": m.get("baseline_fit"), "model_max_context": m.get("model_max_context")}
             base_q = {"kl": {"kl_mean": 0.0, "kl_p99": 0.0, "top1_agreement": 1.0} if "kl" in q else None,
                       "lm_eval": q.get("baseline_lm_eval")}
-            rows.append(_row("unquantized (16-bit)", "baseline", model, base_ppl, base_ppl, base_q, base_mem,
+            rows.append(_row(baseline_label(r), "baseline", model, base_ppl, base_ppl, base_q, base_mem,
                              _speed(r.get("speed"), "baseline")))
         for name, b in (r.get("baselines") or {}).items():
             if (name, model) in seen:

@@ -62,7 +62,7 @@ def cmd_audit(args) -> int:
 def cmd_eval(args) -> int:
     """Evaluate whatever MODEL_OR_CHECKPOINT is: a lowbit checkpoint (vs its recipe's model) or a
     plain model; writes results.json and a report."""
-    from lowbit.calibrate.models import load_model
+    from lowbit.calibrate.models import DEFAULT_DTYPE, load_model
     from lowbit.evaluate.baseline import cached_baseline
     from lowbit.evaluate.memory import checkpoint_weight_bytes, model_weight_bytes
     from lowbit.evaluate.perplexity import perplexity
@@ -86,7 +86,8 @@ def cmd_eval(args) -> int:
                              baseline_weight_bytes=base_bytes, reference=reference, steps=[])
     results = {
         "lowbit_version": version("lowbit"),
-        "model": {"id": str(args.target), "model_type": model.config.model_type, "reference": reference_name},
+        "model": {"id": str(args.target), "model_type": model.config.model_type, "reference": reference_name,
+                  "dtype": str(DEFAULT_DTYPE).removeprefix("torch.")},  # the reference's, as load_model loads it
         "recipe": {"name": f"eval {target.name or args.target}", "evaluate": to_plain(cfg)},
         "quality": {"perplexity": quality["perplexity"], "baseline_perplexity": base_ppl,
                     "dataset": cfg.perplexity.dataset, "protocol": {**to_plain(cfg.perplexity), **quality},

@@ -56,7 +56,8 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
                                                      allow_pickle=recipe.allow_pickle)
     preflight(recipe, model, tokenizer)  # NaN weights, a tokenizer the protocol cannot use: before any work
     info = {"id": recipe.model, "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
-            "model_type": model.config.model_type}
+            "model_type": model.config.model_type,
+            "dtype": str(model.dtype).removeprefix("torch.")}  # what the baseline's quality and speed ran in
     baseline_bytes = model_weight_bytes(model, bytes_per_param=2)  # as a 16-bit checkpoint
     protocol = recipe.evaluate.perplexity
     baseline = None

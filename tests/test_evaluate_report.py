@@ -54,10 +54,17 @@ def test_rows_add_baseline_once_and_report_unavailable_bnb():
     runs = [_results("w8", 10.1, 2**20, 4.0, baselines={"bnb-nf4": {"unavailable": "RuntimeError: no CPU"}}),
             _results("w4", 10.8, 2**19, 6.0, baselines={"bnb-nf4": {"unavailable": "RuntimeError: no CPU"}})]
     rows, notes = rows_for(runs)
-    assert [r["label"] for r in rows] == ["w8", "unquantized (16-bit)", "w4"]
+    assert [r["label"] for r in rows] == ["w8", "unquantized (weights as loaded; bytes as 16-bit)", "w4"]
     assert rows[0]["ppl_increase_pct"] == pytest.approx(1.0)
     assert rows[1]["decode_tok_s"] == 5.0 and rows[1]["kl_mean"] == 0.0
     assert notes == ["bnb-nf4 on tiny: unavailable: RuntimeError: no CPU"]
+
+
+def test_baseline_row_says_what_it_ran_in():
+    run = _results("w8", 10.1, 2**20, 4.0)
+    run["model"]["dtype"] = "float32"
+    rows, _ = rows_for([run])
+    assert rows[1]["label"] == "unquantized (float32 weights; bytes as 16-bit)"
 
 
 def _pngs(page):
