@@ -25,6 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, OSError, ValueError) as err:  # OSError: missing files, permissions, disk full
         print(f"lowbit: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line saying what a rerun with --resume can use
+        from .resume import kept_summary
+
+        output = getattr(args, "run_output", None)
+        print(f"lowbit: interrupted; {kept_summary(output) if output else 'nothing was kept'}", file=sys.stderr)
+        return 130
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,7 +105,7 @@ def _cmd_run(args) -> int:
     if args.allow_pickle:
         overrides.append("allow_pickle=true")
     recipe = load_recipe(args.recipe, tuple(overrides))
-    output = Path(args.output or f"runs/{recipe.name}-{Path(recipe.model).name}")
+    output = args.run_output = Path(args.output or f"runs/{recipe.name}-{Path(recipe.model).name}")
     results = run(recipe, output, resume=args.resume)
     _print_summary(results, output)
     return 0

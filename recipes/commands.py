@@ -42,6 +42,7 @@ def cmd_sweep(args) -> int:
             print(f"[lowbit] sweep: {recipe.name} already done in {out}", file=sys.stderr)
             continue
         print(f"[lowbit] sweep: {recipe.name} -> {out}", file=sys.stderr)
+        args.run_output = out  # what a Ctrl-C reports as kept
         run(recipe, out, resume=args.resume)
     report = write_report(load_runs(dirs), root / "report.html", labels=[r.name for r in recipes])
     print(f"report      {report} and {report.with_suffix('.md')} ({len(dirs)} runs)")
