@@ -7,6 +7,7 @@ from pathlib import Path
 
 from lowbit.calibrate.corpora import CORPORA
 from lowbit.calibrate.models import BUILTIN_MODELS
+from lowbit.evaluate.config import MissingPackageError
 from lowbit.export.config import DTYPES, FORMATS
 
 from .schema import load_recipe, shipped_recipes
@@ -22,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (RecipeError, OSError, ValueError) as err:  # OSError: missing files, permissions, disk full
+    except (RecipeError, OSError, ValueError, MissingPackageError) as err:  # OSError: missing files,
+        # permissions, disk full
         print(f"lowbit: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line saying what a rerun with --resume can use
