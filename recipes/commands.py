@@ -10,6 +10,7 @@ import yaml
 
 from lowbit.evaluate.report import write_report
 from lowbit.evaluate.report_data import load_runs
+from lowbit.export.manifest import write_text_atomic
 
 from .schema import load_recipe
 from .validate import RecipeError, build, to_plain
@@ -97,7 +98,7 @@ def cmd_eval(args) -> int:
     }
     out = Path(args.output or f"runs/eval-{target.name or 'model'}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    write_text_atomic(out / "results.json", json.dumps(results, indent=2))
     write_report([results], out / "report.html")
     print(f"perplexity  {quality['perplexity']:.3f}" + (f" (baseline {base_ppl:.3f})" if base_ppl else ""))
     print(f"results     {out / 'results.json'}  report {out / 'report.html'}")

@@ -46,10 +46,11 @@ def file_size_limit(nbytes: int):
         signal.signal(signal.SIGXFSZ, old_handler)
 
 
-def start_run_stopping_in_evaluation(args: list[str]) -> subprocess.Popen:
-    """Start `lowbit ARGS` in a second process; returns once it has reached its evaluation."""
+def start_run_stopping_in_evaluation(args: list[str], cwd) -> subprocess.Popen:
+    """Start `lowbit ARGS` in a second process; returns once it has reached its evaluation.
+    cwd: not the repository root, whose evaluate/ would shadow Hugging Face's on sys.path."""
     proc = subprocess.Popen([sys.executable, "-c", STOPS_IN_EVALUATION, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, cwd=cwd)
     line = proc.stdout.readline()
     if line.strip() != "EVALUATING":
         proc.kill()

@@ -47,7 +47,7 @@ def assert_published_whole(out):
 def test_run_stopped_in_evaluation_resumes_without_recalibrating(tiny_folder, tmp_path, capsys, sig):
     out = tmp_path / "out"
     args = gptq_args(tiny_folder, tmp_path, out)
-    first = start_run_stopping_in_evaluation(args)
+    first = start_run_stopping_in_evaluation(args, cwd=tmp_path)
     first.send_signal(sig)
     _, err = first.communicate(timeout=60)
     if sig == signal.SIGINT:  # Ctrl-C: one line saying what was kept, no traceback
@@ -93,7 +93,7 @@ def test_failed_evaluation_keeps_the_checkpoint_for_resume(tiny_folder, tmp_path
 def test_second_run_into_one_output_is_refused_with_the_first_pid(tiny_folder, tmp_path, capsys):
     out = tmp_path / "out"
     args = ["run", "w8a16-rtn", "--model", str(tiny_folder), "--output", str(out), *QUICK]
-    first = start_run_stopping_in_evaluation(args)
+    first = start_run_stopping_in_evaluation(args, cwd=tmp_path)
     try:
         assert main(args) == 2
         err = capsys.readouterr().err
@@ -114,7 +114,7 @@ def test_write_failure_names_the_file_and_the_limit(tiny_folder, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "lowbit.recipes.cli", "run", "w8a16-rtn", "--model", str(tiny_folder),
          "--output", str(out), *QUICK], capture_output=True, text=True, timeout=300,
-        preexec_fn=limit_file_size(limit))
+        preexec_fn=limit_file_size(limit), cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     message = proc.stderr.split("lowbit: error: ", 1)[1]
     assert "model.safetensors" in message and "the file-size limit (ulimit -f) was hit" in message
