@@ -84,7 +84,7 @@ class RunProgress:
 
     def new_checkpoint(self) -> Path:
         """The folder to export into (a checkpoint left by a kill before its record is dropped)."""
-        self._write_state()
+        self._write_state(replace=True)  # the export options may differ from those of the first layers' run
         shutil.rmtree(self.checkpoint, ignore_errors=True)
         return self.checkpoint
 
@@ -101,8 +101,8 @@ class RunProgress:
         publish(self.checkpoint, output)
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def _write_state(self) -> None:
-        if not (self.folder / STATE).is_file():
+    def _write_state(self, replace: bool = False) -> None:
+        if replace or not (self.folder / STATE).is_file():
             self.folder.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.folder / STATE, json.dumps(self.identity, indent=1))
 

@@ -40,7 +40,7 @@ def test_nothing_is_installed_under_a_top_level_name(wheel_names):
 def test_import_evaluate_is_hugging_face_not_ours():
     import evaluate
 
-    assert not Path(evaluate.__file__).resolve().is_relative_to(ROOT)
+    assert Path(evaluate.__file__).resolve().parent != ROOT / "evaluate"  # (a venv may live under ROOT)
     import lowbit.evaluate
 
     assert Path(lowbit.evaluate.__file__).resolve().is_relative_to(ROOT)

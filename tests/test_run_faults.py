@@ -85,6 +85,8 @@ def test_failed_evaluation_keeps_the_checkpoint_for_resume(tiny_folder, tmp_path
     assert "no_such_task" in err or "needs lm-eval" in err
     assert f"kept the exported checkpoint (--resume evaluates it without recalibrating) in {resume_dir(out)}" in err
     assert not out.exists()
+    assert main([*args, "--resume", "--set", "export.dtype=float16"]) == 2  # not what was exported
+    assert "different export" in capsys.readouterr().err
     assert main([*args, "--resume"]) == 0
     assert "calibration data" not in capsys.readouterr().err
     assert_published_whole(out)
