@@ -43,7 +43,7 @@ def assert_published_whole(out):
     assert leftovers(out.parent, out.name) == [out.name]  # no resume folder, lock or staging left
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_run_stopped_in_evaluation_resumes_without_recalibrating(tiny_folder, tmp_path, capsys, sig):
     out = tmp_path / "out"
     args = gptq_args(tiny_folder, tmp_path, out)
