@@ -40,10 +40,11 @@ def test_nothing_is_installed_under_a_top_level_name(wheel_names):
 def test_import_evaluate_is_hugging_face_not_ours():
     import evaluate
 
-    assert Path(evaluate.__file__).resolve().parent != ROOT / "evaluate"  # (a venv may live under ROOT)
+    ours = ROOT / "evaluate"  # a venv inside the checkout is fine: only our folder must not be `evaluate`
+    assert not Path(evaluate.__file__).resolve().is_relative_to(ours)
     import lowbit.evaluate
 
-    assert Path(lowbit.evaluate.__file__).resolve().is_relative_to(ROOT)
+    assert Path(lowbit.evaluate.__file__).resolve().is_relative_to(ours)
 
 
 def test_guard_explains_shadowing_when_the_root_is_on_sys_path():
