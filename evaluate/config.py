@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 
+class MissingPackageError(ImportError):
+    """An option asks for an optional package that is not installed (the message says which)."""
+
+
 @dataclass(frozen=True)
 class PerplexityProtocol:
     """Pinned so that figures from different runs compare; recorded in results.json."""

@@ -20,7 +20,7 @@ import yaml
 from lowbit.calibrate.cache import cache_dir
 from lowbit.calibrate.corpora import corpus_text, review_sentences
 
-from .config import LMEvalConfig
+from .config import LMEvalConfig, MissingPackageError
 
 TASKS_VERSION = 2  # bump when a local task's data or prompt changes
 MAX_CLOZE_DOCS = 2000
@@ -103,9 +103,13 @@ class LMEvalKey:
 
 def run_lm_eval(model, tokenizer, cfg: LMEvalConfig) -> dict:
     """{task: {metric: value}} from lm-eval's simple_evaluate on the model as it is in memory."""
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
+    try:
+        from lm_eval import simple_evaluate
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError as err:
+        raise MissingPackageError(f"evaluate.lm_eval.tasks {list(cfg.tasks)} needs lm-eval, which is not installed "
+                          f"({err}): pip install 'lowbit[eval]', or leave the tasks empty") from err
 
     only_local = all(t in LOCAL_TASKS for t in cfg.tasks)  # indexing lm-eval's own tasks takes ~10 s
     manager = TaskManager(include_path=str(local_task_dir()), include_defaults=not only_local)

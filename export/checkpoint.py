@@ -9,12 +9,12 @@ import uuid
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from . import compressed_tensors as ct
 from . import gptq_format, kv_scales
 from .config import ExportConfig
+from .files import out_of_space_names, save_tensors
 from .manifest import MANIFEST, write_manifest
 from .reader import load, read_tensors  # noqa: F401  (re-exported: checkpoint.load)
 
@@ -37,9 +37,10 @@ def save(model: nn.Module, tokenizer, out_dir: str | Path, cfg: ExportConfig,
     staging = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
     staging.mkdir(parents=True)
     try:
-        _write(model, tokenizer, staging, cfg, extra_files or {})
-        write_manifest(staging)
-        _publish(staging, out_dir)
+        with out_of_space_names(out_dir, "cannot write the checkpoint"):
+            _write(model, tokenizer, staging, cfg, extra_files or {})
+            write_manifest(staging)
+        publish(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -53,6 +54,11 @@ def check_output_dir(out_dir: Path, overwrite: bool) -> None:
         raise FileExistsError(
             f"output folder {out_dir} is not empty; choose another --output or pass --overwrite"
         )
+    make_parent(out_dir)
+
+
+def make_parent(out_dir: Path) -> None:
+    """Create the folder that will hold out_dir, or say clearly why it cannot be."""
     parent = out_dir.parent if out_dir.parent != Path("") else Path(".")
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -92,7 +98,7 @@ def _write(model, tokenizer, folder: Path, cfg: ExportConfig, extra_files) -> No
     kv = kv_scales.kv_config(model)
     if kv is not None:
         tensors.update(kv_scales.scale_tensors(model, torch.float32))
-    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    save_tensors(tensors, folder / WEIGHTS, metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
@@ -137,7 +143,8 @@ def _float_linears(model, quantized) -> list[str]:
     return [n for n, m in model.named_modules() if is_linear(m) and n not in quantized]
 
 
-def _publish(staging: Path, out_dir: Path) -> None:
+def publish(staging: Path, out_dir: Path) -> None:
+    """Rename a finished folder to out_dir; a folder already there is replaced (moved aside first)."""
     if not out_dir.exists():
         staging.rename(out_dir)
         return

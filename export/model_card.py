@@ -9,11 +9,12 @@ from .manifest import MANIFEST, write_manifest, write_text_atomic
 CARD = "README.md"
 
 
-def write_model_card(folder: str | Path, results: dict) -> Path:
-    """Write README.md from the run's results (and config.json), then refresh the manifest."""
+def write_model_card(folder: str | Path, results: dict, name: str | None = None) -> Path:
+    """Write README.md from the run's results (and config.json), then refresh the manifest.
+    `name` titles the card: the folder's name once published (default: this folder's)."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    text = render_card(results, config.get("quantization_config") or {}, folder.name)
+    text = render_card(results, config.get("quantization_config") or {}, name or folder.name)
     write_text_atomic(folder / CARD, text)
     if (folder / MANIFEST).is_file():
         write_manifest(folder)  # now also covering results.json and README.md

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from lowbit.calibrate.corpora import CORPORA
 from lowbit.calibrate.models import BUILTIN_MODELS
+from lowbit.evaluate.config import MissingPackageError
 from lowbit.export.config import DTYPES, FORMATS
 
 from .schema import load_recipe, shipped_recipes
@@ -22,9 +23,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (RecipeError, OSError, ValueError) as err:  # OSError: missing files, permissions, disk full
+    except (RecipeError, OSError, ValueError, MissingPackageError) as err:  # OSError: missing files,
+        # permissions, disk full
         print(f"lowbit: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line saying what a rerun with --resume can use
+        from .resume import kept_summary
+
+        output = getattr(args, "run_output", None)
+        print(f"lowbit: interrupted; {kept_summary(output) if output else 'nothing was kept'}", file=sys.stderr)
+        return 130
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,7 +107,7 @@ def _cmd_run(args) -> int:
     if args.allow_pickle:
         overrides.append("allow_pickle=true")
     recipe = load_recipe(args.recipe, tuple(overrides))
-    output = Path(args.output or f"runs/{recipe.name}-{Path(recipe.model).name}")
+    output = args.run_output = Path(args.output or f"runs/{recipe.name}-{Path(recipe.model).name}")
     results = run(recipe, output, resume=args.resume)
     _print_summary(results, output)
     return 0

@@ -10,6 +10,7 @@ import yaml
 
 from lowbit.evaluate.report import write_report
 from lowbit.evaluate.report_data import load_runs
+from lowbit.export.manifest import write_text_atomic
 
 from .schema import load_recipe
 from .validate import RecipeError, build, to_plain
@@ -42,6 +43,7 @@ def cmd_sweep(args) -> int:
             print(f"[lowbit] sweep: {recipe.name} already done in {out}", file=sys.stderr)
             continue
         print(f"[lowbit] sweep: {recipe.name} -> {out}", file=sys.stderr)
+        args.run_output = out  # what a Ctrl-C reports as kept
         run(recipe, out, resume=args.resume)
     report = write_report(load_runs(dirs), root / "report.html", labels=[r.name for r in recipes])
     print(f"report      {report} and {report.with_suffix('.md')} ({len(dirs)} runs)")
@@ -97,7 +99,7 @@ def cmd_eval(args) -> int:
     }
     out = Path(args.output or f"runs/eval-{target.name or 'model'}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    write_text_atomic(out / "results.json", json.dumps(results, indent=2))
     write_report([results], out / "report.html")
     print(f"perplexity  {quality['perplexity']:.3f}" + (f" (baseline {base_ppl:.3f})" if base_ppl else ""))
     print(f"results     {out / 'results.json'}  report {out / 'report.html'}")

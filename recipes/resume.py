@@ -1,14 +1,16 @@
-"""Resume: a run checkpoints each decoder layer a calibration walk finishes, so that
-`lowbit run … --resume` continues an interrupted run from its last finished layer and ends with
-the checkpoint an uninterrupted run writes.
+"""Resume: a run keeps what it has finished beside its output folder until it publishes, so that
+`lowbit run … --resume` continues an interrupted or failed run where it stopped and ends with the
+folder an uninterrupted run writes.
 
-The progress lives beside the output folder, in `.NAME.resume/`: `state.json` (what the run
-computes: model, calibration, steps, ignore), and per step `stepK/` with `layerI.safetensors`
-(the layer's state; quantized modules in compressed-tensors form, float32 scales, so nothing is
-rounded), `hiddenI.safetensors` (the outputs of the last finished layer, what the next layer
-reads) and `progress.json` (layers finished and their results), written last, so a kill at any
-moment leaves the previous consistent state. The folder is removed once the checkpoint is
-published.
+The progress lives in `.NAME.resume/`: `state.json` (what the run computes: model, calibration,
+steps, ignore, export), and per calibration walk `stepK/` with `layerI.safetensors` (the layer's
+state; quantized modules in compressed-tensors form, float32 scales, so nothing is rounded),
+`hiddenI.safetensors` (the outputs of the last finished layer, what the next layer reads) and
+`progress.json` (layers finished and their results), written last, so a kill at any moment leaves
+the previous consistent state. The run exports into `checkpoint/` here, then writes
+`exported.json` (what evaluating it needs), evaluates, writes the results into the checkpoint and
+renames it to the output folder; only then is this folder removed. A resumed run whose checkpoint
+was exported only evaluates it.
 """
 from __future__ import annotations
 
@@ -22,13 +24,18 @@ from typing import Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from lowbit.export import compressed_tensors as ct
+from lowbit.export.checkpoint import is_lowbit_export, publish
+from lowbit.export.files import save_tensors
+from lowbit.export.manifest import write_text_atomic
 
 STATE = "state.json"
 PROGRESS = "progress.json"
+EXPORTED = "exported.json"
+CHECKPOINT = "checkpoint"
 IDENTITY_KEYS = ("model", "calibration", "steps", "ignore")  # what decides the quantized weights
 
 
@@ -37,8 +44,9 @@ def resume_dir(output: Path) -> Path:
 
 
 class RunProgress:
-    """The resume folder of one run; created when the first layer is saved, so a run that fails
-    before calibrating leaves nothing behind."""
+    """The resume folder of one run, used as a context manager: created when the first layer is
+    saved (or at export) and removed when the run publishes; a run that fails keeps it only when
+    something in it can be resumed."""
 
     def __init__(self, folder: Path, identity: dict):
         self.folder, self.identity = folder, identity
@@ -46,42 +54,93 @@ class RunProgress:
     @classmethod
     def open(cls, output: Path, recipe: dict, resume: bool) -> "RunProgress":
         folder = resume_dir(Path(output))
-        identity = {k: recipe.get(k) for k in IDENTITY_KEYS}
-        finished = finished_layers(folder) if (folder / STATE).is_file() else 0
-        if finished:
-            _check_resumable(folder, identity, resume, finished)
-            print(f"[lowbit] resuming from {folder} ({finished} layers already done)", file=sys.stderr)
+        identity = {**{k: recipe.get(k) for k in IDENTITY_KEYS}, "export": _export_identity(recipe)}
+        kept = kept_in(folder)
+        if kept:
+            _check_resumable(folder, identity, resume, kept)
+            print(f"[lowbit] resuming from {folder}: {kept}", file=sys.stderr)
         else:
             shutil.rmtree(folder, ignore_errors=True)  # nothing finished in it: nothing to keep
         return cls(folder, identity)
 
+    def __enter__(self) -> "RunProgress":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is None:
+            return
+        kept = kept_in(self.folder)
+        if not kept:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        elif issubclass(kind, Exception):  # Ctrl-C is reported by the command line, in one line
+            print(f"[lowbit] kept {kept} in {self.folder}; fix the cause and rerun with --resume", file=sys.stderr)
+
     def step(self, index: int) -> "StepLayers":
         return StepLayers(self.folder / f"step{index}", self._write_state)
 
-    def _write_state(self) -> None:
-        if not (self.folder / STATE).is_file():
-            self.folder.mkdir(parents=True, exist_ok=True)
-            _write_json(self.folder / STATE, self.identity)
+    @property
+    def checkpoint(self) -> Path:
+        return self.folder / CHECKPOINT
 
-    def finish(self) -> None:
+    def new_checkpoint(self) -> Path:
+        """The folder to export into (a checkpoint left by a kill before its record is dropped)."""
+        self._write_state(replace=True)  # the export options may differ from those of the first layers' run
+        shutil.rmtree(self.checkpoint, ignore_errors=True)
+        return self.checkpoint
+
+    def record_export(self, record: dict) -> None:
+        """Written once the checkpoint is whole: what evaluating it needs without the float model."""
+        write_text_atomic(self.folder / EXPORTED, json.dumps(record, indent=1))
+
+    def exported(self) -> Optional[dict]:
+        """The record of an earlier run that exported and then failed, or None."""
+        path = self.folder / EXPORTED
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def publish(self, output: Path) -> None:
+        publish(self.checkpoint, output)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _write_state(self, replace: bool = False) -> None:
+        if replace or not (self.folder / STATE).is_file():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.folder / STATE, json.dumps(self.identity, indent=1))
+
+
+def kept_in(folder: Path) -> str:
+    """What a failed run left in its resume folder that --resume uses, in words ('' for nothing)."""
+    if (folder / EXPORTED).is_file() and is_lowbit_export(folder / CHECKPOINT):
+        return "the exported checkpoint (--resume evaluates it without recalibrating)"
+    finished = finished_layers(folder) if (folder / STATE).is_file() else 0
+    return f"{finished} finished layers (--resume continues after them)" if finished else ""
+
+
+def kept_summary(output: Path) -> str:
+    folder = resume_dir(Path(output))
+    kept = kept_in(folder)
+    return f"kept {kept} in {folder}" if kept else "nothing was kept"
 
 
 def finished_layers(folder: Path) -> int:
     return sum(json.loads(p.read_text())["finished"] for p in folder.glob(f"step*/{PROGRESS}"))
 
 
-def _check_resumable(folder: Path, identity: dict, resume: bool, finished: int) -> None:
+def _export_identity(recipe: dict) -> dict:
+    return {k: v for k, v in (recipe.get("export") or {}).items() if k != "overwrite"}
+
+
+def _check_resumable(folder: Path, identity: dict, resume: bool, kept: str) -> None:
     if not resume:
         raise FileExistsError(
-            f"{folder} holds an interrupted run ({finished} layers finished): pass "
-            "--resume to continue it, or delete that folder to start over")
+            f"{folder} holds an interrupted run ({kept}): pass --resume to continue it, or delete "
+            "that folder to start over")
     saved = json.loads((folder / STATE).read_text())
-    differs = [k for k in IDENTITY_KEYS if saved.get(k) != identity.get(k)]
+    keys = IDENTITY_KEYS + (("export",) if (folder / EXPORTED).is_file() else ())
+    differs = [k for k in keys if saved.get(k) != identity.get(k)]
     if differs:
         raise ValueError(
             f"{folder} was written by a run with different {', '.join(differs)}; --resume continues "
-            "only the same model, calibration, steps and ignore list. Delete the folder to start over")
+            f"only the same {', '.join(keys)}. Delete the folder to start over")
 
 
 class StepLayers:
@@ -111,7 +170,7 @@ class StepLayers:
             _save_tensors({f"hidden.{k}": h for k, h in enumerate(hidden)}, self.folder / f"hidden{index}.safetensors")
         self.results = self.results[:index] + [result]
         self.finished = index + 1
-        _write_json(self.folder / PROGRESS, {"finished": self.finished, "results": self.results})
+        write_text_atomic(self.folder / PROGRESS, json.dumps({"finished": self.finished, "results": self.results}))
         for old in self.folder.glob("hidden*.safetensors"):  # only the newest is ever read
             if old.name != f"hidden{index}.safetensors":
                 old.unlink()
@@ -164,11 +223,5 @@ def load_layer(prefix: str, layer: nn.Module, path: Path) -> None:
 
 def _save_tensors(tensors: dict, path: Path, metadata: Optional[dict] = None) -> None:
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
-
-
-def _write_json(path: Path, data) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    save_tensors(tensors, tmp, metadata=metadata)
     os.replace(tmp, path)

@@ -21,10 +21,13 @@ from lowbit.evaluate.perplexity import perplexity
 from lowbit.evaluate.report import write_report
 from lowbit.evaluate.suite import LazyModel, evaluate_extras
 from lowbit.export import checkpoint
+from lowbit.export.files import out_of_space_names
+from lowbit.export.manifest import write_text_atomic
 from lowbit.export.model_card import write_model_card
 from lowbit.quantize.step import StepContext
 
 from .audit import audit_run
+from .lock import output_lock
 from .preflight import preflight
 from .resume import RunProgress
 from .schema import Recipe
@@ -44,12 +47,49 @@ def timer(seconds: dict):
 
 
 def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
-    """With resume, continue an interrupted run of the same recipe from its last finished layer."""
+    """With resume, continue an interrupted run of the same recipe where it stopped: from its last
+    finished layer, or, when it had exported its checkpoint, with the evaluation alone."""
     output = Path(output)
-    checkpoint.check_output_dir(output, recipe.export.overwrite)  # fail before hours of work
-    progress = RunProgress.open(output, recipe.to_dict(), resume)
-    hardware = cpu_info()  # what every CPU-dependent choice below was made for
-    print(f"[lowbit] CPU: {hardware.describe()}", file=sys.stderr)
+    with output_lock(output), out_of_space_names(output, "cannot write the run for output"):
+        checkpoint.check_output_dir(output, recipe.export.overwrite)  # fail before hours of work
+        with RunProgress.open(output, recipe.to_dict(), resume) as progress:
+            hardware = cpu_info()  # what every CPU-dependent choice below was made for
+            print(f"[lowbit] CPU: {hardware.describe()}", file=sys.stderr)
+            exported = progress.exported() or quantize_and_export(recipe, progress)
+            seconds = dict(exported["seconds"])  # load, calibrate, quantize, export: done once
+            timed = timer(seconds)
+            with timed("evaluate_s"):
+                print(f"[lowbit] evaluating the checkpoint written in {progress.checkpoint}", file=sys.stderr)
+                quality, weight_bytes, extras = evaluate_checkpoint(recipe, progress.checkpoint, exported)
+            baseline = exported["baseline"]
+            results = {
+                "lowbit_version": version("lowbit"),
+                "model": exported["model"],
+                "hardware": hardware.to_dict(),
+                "recipe": recipe.to_dict(),
+                "quality": {
+                    "perplexity": quality["perplexity"],
+                    "baseline_perplexity": baseline["perplexity"] if baseline else None,
+                    "dataset": recipe.evaluate.perplexity.dataset,
+                    "protocol": {**recipe.to_dict()["evaluate"]["perplexity"], **_protocol_facts(quality)},
+                    **extras.pop("quality"),
+                },
+                "memory": {"weight_bytes": weight_bytes, "baseline_weight_bytes": exported["baseline_bytes"],
+                           **extras.pop("memory")},
+                "timing": {k: round(seconds.get(k, 0.0), 3) for k in
+                           ("load_s", "calibrate_s", "quantize_s", "export_s", "evaluate_s")},
+                "steps": exported["steps"],
+                "audit": exported["audit"],
+                **extras,  # speed, baselines (bitsandbytes), when enabled
+            }
+            write_results(progress.checkpoint, results, recipe, output.name)
+            progress.publish(output)  # the folder appears whole, results included, or not at all
+    return results
+
+
+def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
+    """Load, measure the baseline, run the steps, audit and export into progress.checkpoint;
+    returns what evaluating the checkpoint needs (kept by progress, so a resumed run skips this)."""
     seconds: dict = {}
     timed = timer(seconds)
     model, tokenizer, seconds["load_s"] = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
@@ -77,42 +117,32 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
     audit = audit_run(model, recipe, arch, steps)  # before export: a failed audit publishes nothing
     audit.raise_if_failed()
     with timed("export_s"):
-        checkpoint.save(model, tokenizer, output, recipe.export,
-                        extra_files={"recipe.yaml": yaml.safe_dump(recipe.to_dict(), sort_keys=False)})
-    progress.finish()
-    del model
-    with timed("evaluate_s"):
-        reloaded, _ = checkpoint.load(output, trust_remote_code=recipe.trust_remote_code)
-        quality = perplexity(reloaded, tokenizer, protocol)
-        weight_bytes = checkpoint_weight_bytes(output)
-        reference = LazyModel(lambda: load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
-                                                 allow_pickle=recipe.allow_pickle)[0])
-        extras = evaluate_extras(reloaded, tokenizer, recipe.evaluate, model_name=recipe.model,
-                                 weight_bytes=weight_bytes, baseline_weight_bytes=baseline_bytes,
-                                 reference=reference, steps=steps)
-    results = {
-        "lowbit_version": version("lowbit"),
-        "model": info,
-        "hardware": hardware.to_dict(),
-        "recipe": recipe.to_dict(),
-        "quality": {
-            "perplexity": quality["perplexity"],
-            "baseline_perplexity": baseline["perplexity"] if baseline else None,
-            "dataset": protocol.dataset,
-            "protocol": {**recipe.to_dict()["evaluate"]["perplexity"], **_protocol_facts(quality)},
-            **extras.pop("quality"),
-        },
-        "memory": {"weight_bytes": weight_bytes, "baseline_weight_bytes": baseline_bytes, **extras.pop("memory")},
-        "timing": {k: round(seconds.get(k, 0.0), 3) for k in
-                   ("load_s", "calibrate_s", "quantize_s", "export_s", "evaluate_s")},
-        "steps": steps,
-        "audit": audit.to_dict(),
-        **extras,  # speed, baselines (bitsandbytes), when enabled
-    }
-    (output / "results.json").write_text(json.dumps(results, indent=2))
-    write_report([results], output / "report.html", labels=[recipe.name])
-    write_model_card(output, results)  # README.md from the results; refreshes manifest.json last
-    return results
+        checkpoint.save(model, tokenizer, progress.new_checkpoint(), recipe.export)
+    exported = {"model": info, "baseline_bytes": baseline_bytes, "baseline": baseline, "steps": steps,
+                "audit": audit.to_dict(), "seconds": seconds}
+    progress.record_export(exported)
+    return exported
+
+
+def evaluate_checkpoint(recipe: Recipe, folder: Path, exported: dict) -> tuple[dict, int, dict]:
+    """Perplexity, weight bytes and the enabled extras of the checkpoint as written (reloaded)."""
+    reloaded, tokenizer = checkpoint.load(folder, trust_remote_code=recipe.trust_remote_code)
+    quality = perplexity(reloaded, tokenizer, recipe.evaluate.perplexity)
+    weight_bytes = checkpoint_weight_bytes(folder)
+    reference = LazyModel(lambda: load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
+                                             allow_pickle=recipe.allow_pickle)[0])
+    extras = evaluate_extras(reloaded, tokenizer, recipe.evaluate, model_name=recipe.model,
+                             weight_bytes=weight_bytes, baseline_weight_bytes=exported["baseline_bytes"],
+                             reference=reference, steps=exported["steps"])
+    return quality, weight_bytes, extras
+
+
+def write_results(folder: Path, results: dict, recipe: Recipe, name: str) -> None:
+    """results.json, the recipe, the report and the model card; the manifest refreshed last."""
+    write_text_atomic(folder / "results.json", json.dumps(results, indent=2))
+    write_text_atomic(folder / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    write_report([results], folder / "report.html", labels=[recipe.name])
+    write_model_card(folder, results, name)  # README.md from the results; refreshes manifest.json last
 
 
 def _batches(recipe: Recipe, tokenizer, timed) -> torch.Tensor:

@@ -218,41 +218,7 @@ def test_unwritable_parent_is_refused_before_any_work(tiny_folder, tmp_path, cap
     assert f"cannot write into {parent}" in err and list(parent.iterdir()) == []
 
 
-# --- disk full during export ---
-
-def _disk_full_after_half(real_save):
-    def save_file(tensors, path, metadata=None):
-        real_save(dict(list(tensors.items())[: len(tensors) // 2]), path, metadata=metadata)  # a partial file
-        raise OSError(errno.ENOSPC, "No space left on device")
-    return save_file
-
-
-def _disk_full_at_manifest(folder):
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-
-@pytest.mark.parametrize("where", ["weights", "manifest"])
-def test_disk_full_during_export_leaves_nothing_that_looks_whole(tiny_folder, tmp_path, capsys, monkeypatch, where):
-    if where == "weights":
-        monkeypatch.setattr(checkpoint, "save_file", _disk_full_after_half(checkpoint.save_file))
-    else:
-        monkeypatch.setattr(checkpoint, "write_manifest", _disk_full_at_manifest)
-    out = tmp_path / "out"
-    err = run_cli(["run", "w8a16-rtn", "--model", str(tiny_folder), "--output", str(out), *FAST], out, capsys)
-    assert "No space left on device" in err
-    assert leftovers(tmp_path, "out") == []
-
-
-def test_disk_full_while_overwriting_keeps_the_old_checkpoint(tiny_folder, tmp_path, capsys, monkeypatch):
-    out = copy_folder(tiny_folder, tmp_path / "out")  # stands in for an earlier, whole checkpoint
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    monkeypatch.setattr(checkpoint, "save_file", _disk_full_after_half(checkpoint.save_file))
-    run_cli_args = ["run", "w8a16-rtn", "--model", str(tiny_folder), "--output", str(out), "--overwrite", *FAST]
-    assert main(run_cli_args) == 2
-    assert "No space left" in capsys.readouterr().err
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert leftovers(tmp_path, "out") == ["out"]
-
+# --- a failed publish (real disk-full and file-size faults: test_run_faults.py) ---
 
 def test_failed_publish_puts_the_previous_checkpoint_back(tmp_path, monkeypatch):
     out = checkpoint.save(make_tiny_model("llama"), None, tmp_path / "out", checkpoint.ExportConfig())

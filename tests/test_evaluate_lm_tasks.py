@@ -1,10 +1,11 @@
 """lm-eval through its Python API on an in-memory tiny model, with the local offline tasks."""
 import json
+import sys
 
 import pytest
 import torch
 
-from lowbit.evaluate.config import LMEvalConfig
+from lowbit.evaluate.config import LMEvalConfig, MissingPackageError
 from lowbit.evaluate.lm_tasks import LOCAL_TASKS, check_tasks, cloze_docs, local_task_dir, run_lm_eval, sentiment_docs
 
 
@@ -80,3 +81,10 @@ def test_unknown_task_names_the_valid_ones():
     check_tasks(list(LOCAL_TASKS), manager.all_tasks)
     with pytest.raises(ValueError, match="lowbit_wiki_cloze"):
         check_tasks(["no_such_task_xyz"], manager.all_tasks)
+
+
+def test_lm_eval_not_installed_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises, as when it is absent
+    with pytest.raises(MissingPackageError, match=r"evaluate.lm_eval.tasks \['lowbit_wiki_cloze'\] needs lm-eval, "
+                                                  r"which is not installed .*pip install 'lowbit\[eval\]'"):
+        run_lm_eval(None, None, LMEvalConfig(tasks=("lowbit_wiki_cloze",)))

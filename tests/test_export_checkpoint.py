@@ -1,12 +1,15 @@
+import errno
 import json
 
 import pytest
 import torch
 
+from faults import file_size_limit
 from tiny_models import make_tiny_model
 from lowbit.calibrate.arch import arch_for
 from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
+from lowbit.export.files import OutOfSpaceError
 from lowbit.quantize import rtn
 from lowbit.quantize.primitives import IntScheme
 from lowbit.quantize.qlinear import QuantLinear
@@ -45,15 +48,15 @@ def _load_no_tokenizer(folder):
         return checkpoint.load(folder)
 
 
-def test_crash_mid_write_leaves_no_checkpoint(tmp_path, monkeypatch):
+def test_write_failure_names_the_file_and_leaves_no_checkpoint(tmp_path):
+    """A real write failure: the weights outgrow this process's file-size limit (EFBIG), which
+    safetensors reports as a SafetensorError; save() turns it into an OSError naming the file."""
     model = quantized_tiny()
-
-    def explode(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(checkpoint, "save_file", explode)
-    with pytest.raises(OSError, match="No space left"):
+    with file_size_limit(64 << 10), pytest.raises(OutOfSpaceError) as failure:
         checkpoint.save(model, None, tmp_path / "ckpt", ExportConfig())
+    assert failure.value.errno == errno.EFBIG
+    assert str(failure.value).startswith(f"cannot write {tmp_path}/.ckpt.partial-")
+    assert str(failure.value).endswith("/model.safetensors: the file-size limit (ulimit -f) was hit (File too large)")
     assert list(tmp_path.iterdir()) == []  # neither the target nor a staging folder remains
 
 

@@ -51,11 +51,11 @@ from export_helpers import quantized_tiny
 from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
 
-real = checkpoint.save_file
+real = checkpoint.save_tensors
 def save_then_die(tensors, path, metadata=None):
     real(tensors, path, metadata=metadata)
     os._exit(9)  # killed after the weights, before config.json and the manifest: no cleanup runs
-checkpoint.save_file = save_then_die
+checkpoint.save_tensors = save_then_die
 checkpoint.save(quantized_tiny(), None, sys.argv[1], ExportConfig(overwrite=True))
 """
 

@@ -1,0 +1,58 @@
+"""Real faults for tests: a file-size limit (writes fail with EFBIG), and a `lowbit run` in a
+second process that stops in its evaluation, to be interrupted or killed there."""
+from __future__ import annotations
+
+import resource
+import signal
+import subprocess
+import sys
+from contextlib import contextmanager
+
+# `lowbit run …` whose perplexity evaluation (after export) announces itself and waits: the test
+# decides when it is interrupted (SIGINT) or killed (SIGKILL). Everything before it is the real run.
+STOPS_IN_EVALUATION = """
+import signal, sys, time
+import lowbit.recipes.run as run_module
+from lowbit.recipes.cli import main
+
+def evaluating(*args, **kwargs):
+    print("EVALUATING", flush=True)
+    time.sleep(600)
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, as in a terminal
+run_module.perplexity = evaluating
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def limit_file_size(nbytes: int):
+    """A subprocess preexec_fn: in the child, no file may grow past nbytes (RLIMIT_FSIZE)."""
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+    return apply
+
+
+@contextmanager
+def file_size_limit(nbytes: int):
+    """In this process: no file may grow past nbytes (RLIMIT_FSIZE) until the block ends."""
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def start_run_stopping_in_evaluation(args: list[str], cwd) -> subprocess.Popen:
+    """Start `lowbit ARGS` in a second process; returns once it has reached its evaluation.
+    cwd: not the repository root, whose evaluate/ would shadow Hugging Face's on sys.path."""
+    proc = subprocess.Popen([sys.executable, "-c", STOPS_IN_EVALUATION, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd)
+    line = proc.stdout.readline()
+    if line.strip() != "EVALUATING":
+        proc.kill()
+        raise AssertionError(f"the run ended before its evaluation: {proc.communicate()[1][-3000:]}")
+    return proc
