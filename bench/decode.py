@@ -9,9 +9,13 @@ the memory roofline, all measured in one process on the current device.
 Only the decode steps are timed (prefill runs first, untimed); each figure is the median over
 --steps steps after --warmup (the fastest step is reported too: on a shared machine it is the
 least disturbed one). The variants' steps run interleaved round-robin, so that load from other
-processes falls on all of them alike. The roofline is bytes one decode step must read (weights in the
-layout the kernel reads, one embedding row per sequence, the KV cache) over the read bandwidth
-measured in the same run (the better of a large tensor sum and a large fp32 GEMV).
+processes falls on all of them alike. The roofline is bytes one decode step must read (weights, with
+quantized codes at their bit width whichever kernel runs, and the KV cache:
+lowbit.evaluate.speed.decode_step_bytes) over the read bandwidth measured in the same run (the
+better of a large tensor sum and a large fp32 GEMV).
+
+The CPU kernel variant is cpu_info()'s (LOWBIT_CPU_ISA=avx512|avx2|none forces one); each row
+names the kernels its quantized linears ran ("reference (...)" says why where none did).
 """
 from __future__ import annotations
 
@@ -27,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.calibrate.arch import arch_for
+from lowbit.calibrate.hardware import cpu_info
+from lowbit.evaluate.speed import decode_step_bytes
 from lowbit.quantize import backends, fp8_step, input_quant, rtn
 from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.qlinear import QuantLinear
 from lowbit.quantize.step import StepContext
 
 SCHEMES = {  # weights by RTN; w8a8 adds per-token INT8 inputs (torch._int_mm), fp8 is E4M3 W8A8
@@ -145,26 +150,6 @@ def quantized_copy(model: nn.Module, name: str, ignore: tuple[str, ...], share: 
     return twin
 
 
-def step_bytes(model: nn.Module, batch: int, context: int) -> int:
-    """Bytes one decode step reads: every weight once (embedding: one row per sequence), KV cache."""
-    total, seen = 0, set()
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            total += batch * module.weight.shape[1] * module.weight.element_size()
-        elif isinstance(module, QuantLinear) and module.kernel is not None:
-            total += module.kernel.nbytes
-        else:
-            for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
-                if id(t) not in seen and not (isinstance(module, QuantLinear) and t is module.weight_g_idx):
-                    seen.add(id(t))
-                    total += t.numel() * t.element_size()
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    act_bytes = 2 if next(model.parameters()).dtype != torch.float32 else 4
-    return total + 2 * cfg.num_hidden_layers * batch * kv_heads * context * head_dim * act_bytes
-
-
 class DecodeSession:
     """One model's greedy decode: an untimed prefill of `prompt` tokens, then single steps."""
 
@@ -225,12 +210,13 @@ def bench_model(model_name: str, args, device) -> list[dict]:
             bandwidth = probe.result(stat)
             for name, session in sessions.items():
                 seconds = stat(session.times, args.warmup)
-                nbytes = step_bytes(session.model, batch, args.prompt + (args.warmup + args.steps) // 2)
+                nbytes = decode_step_bytes(session.model, batch, args.prompt + (args.warmup + args.steps) // 2)
                 rows.append(dict(model=model_name, device=str(device), stat=stat_name, scheme=name, batch=batch,
                                  tokens_per_s=batch / seconds, step_ms=seconds * 1e3, step_mb=nbytes / 1e6,
                                  achieved_gbs=nbytes / seconds / 1e9, bandwidth_gbs=bandwidth["gbs"],
                                  sum_gbs=bandwidth["sum_gbs"], fp32_gemv_gbs=bandwidth["fp32_gemv_gbs"],
-                                 kernels=variants[name][1], threads=torch.get_num_threads()))
+                                 kernels=variants[name][1], threads=torch.get_num_threads(),
+                                 cpu=cpu_info().describe()))
     return add_ratios(rows)
 
 
@@ -245,7 +231,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{rows[0]['model']} on {rows[0]['device']} ({rows[0]['threads']} threads)")
+    print(f"\n{rows[0]['model']} on {rows[0]['device']} ({rows[0]['threads']} threads; CPU: {rows[0]['cpu']})")
     for r in rows:
         if r["scheme"] == rows[0]["scheme"]:
             print(f"  {r['stat']:6} step, batch {r['batch']}: read bandwidth {r['bandwidth_gbs']:.1f} GB/s "

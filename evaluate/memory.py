@@ -3,6 +3,7 @@ context (weights + KV cache + activations), a fit table per budget, and the meas
 from __future__ import annotations
 
 import gc
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from lowbit.quantize.qlinear import QuantLinear
 
 
 def model_weight_bytes(model: nn.Module, bytes_per_param: float | None = None) -> int:
@@ -35,6 +38,18 @@ def resident_tensor_bytes(model: nn.Module, exclude: tuple[torch.Tensor, ...] = 
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
+    return total
+
+
+def packed_tensor_bytes(model: nn.Module, exclude: tuple[torch.Tensor, ...] = ()) -> int:
+    """resident_tensor_bytes with quantized codes at their bit width (bits/8 bytes per weight,
+    as the kernels and checkpoints pack them) instead of the int8 storage QuantLinear keeps: the
+    bytes a decode step must read, the same whichever kernel (or the reference path) runs."""
+    total = resident_tensor_bytes(model, exclude)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            codes = m.weight_codes
+            total -= codes.numel() * codes.element_size() - math.ceil(codes.numel() * m.scheme.bits / 8)
     return total
 
 

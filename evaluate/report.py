@@ -85,6 +85,16 @@ def _html_table(head, body) -> str:
     return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
 
 
+def kernels_note(rows) -> str:
+    """Which matmul each row's quantized linears ran while timed (a kernel variant such as
+    cpu_avx2, or the reference path with its reason), and the CPU as the run treated it."""
+    lines = [f"{r['label']}: " + ", ".join(f"{n} x {k}" for k, n in r["kernels"].items())
+             for r in rows if r.get("kernels")]
+    cpus = sorted({r["cpu"] for r in rows if r.get("cpu")})
+    head = f" CPU: {'; '.join(cpus)}." if cpus else ""
+    return head + (" Quantized linears ran: " + "; ".join(lines) + "." if lines else "")
+
+
 def build_sections(rows, notes) -> list[tuple[str, tuple | None, bytes | None, str]]:
     """(title, table, png, note) in report order."""
     speed = tradeoff_plot(rows, "decode_tok_s", "decode tokens/s at batch 1", higher_x_better=True)
@@ -95,6 +105,7 @@ def build_sections(rows, notes) -> list[tuple[str, tuple | None, bytes | None, s
     speed_note = (f"Read bandwidth measured in the same run: {', '.join(bw)} GB/s; roofline tok/s = batch x "
                   "bandwidth / bytes read per decode step (weights + KV). Wall-clock medians; noisy on a "
                   "shared machine.") if bw else ""
+    speed_note += kernels_note(rows)
     max_ctx = next((r["model_max_context"] for r in rows if r.get("model_max_context")), None)
     fit_note = ("Predicted: weights + KV cache + activation workspace (16-bit activations; see results.json)."
                 + (f" The model was trained for {max_ctx:,} tokens: longer contexts fit in memory only." if max_ctx else ""))

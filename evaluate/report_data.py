@@ -41,6 +41,8 @@ def _speed(section: Optional[dict], who: str) -> dict:
     out = {k: first.get(k) for k in ("prefill_tok_s", "ttft_s", "tpot_s", "decode_tok_s", "achieved_gbs",
                                      "roofline_decode_tok_s")}
     out["speed_batch"], out["bandwidth_gbs"] = int(batches[0]), section.get("bandwidth_gbs")
+    out["kernels"] = _get(section, "backends", who) or {}  # what its quantized linears ran, counted
+    out["cpu"] = section.get("cpu")
     gpu = _get(section, "cuda", who) or {}
     if gpu:  # GPU figures beside the CPU ones when the run had a GPU
         out["gpu_decode_tok_s"] = gpu[sorted(gpu, key=int)[0]].get("decode_tok_s")

@@ -13,10 +13,11 @@ from collections import Counter
 
 import torch
 
+from lowbit.calibrate.hardware import cpu_info
 from lowbit.quantize.backends import prepare
 
 from .config import SpeedConfig
-from .memory import ModelShape, kv_cache_bytes, resident_tensor_bytes
+from .memory import ModelShape, kv_cache_bytes, packed_tensor_bytes
 
 
 def _sync(device: torch.device) -> None:
@@ -71,11 +72,12 @@ def measure_bandwidth(device: torch.device, size_bytes: int = 256 * 2**20, repea
 
 
 def decode_step_bytes(model, batch: int, context: int) -> int:
-    """Bytes one decode step must read: every weight (codes, scales, floats; the input embedding
-    only when tied to the output, since a lookup reads one row) plus the KV cache so far."""
+    """Bytes one decode step must read: every weight (codes at their bit width, scales, floats;
+    the input embedding only when tied to the output, since a lookup reads one row) plus the KV
+    cache so far. Independent of the kernel that runs: the roofline of any of them."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and getattr(head, "weight", None) is emb.weight
-    weights = resident_tensor_bytes(model, exclude=() if tied else (emb.weight,))
+    weights = packed_tensor_bytes(model, exclude=() if tied else (emb.weight,))
     kv_elem = next(model.parameters()).element_size()
     return weights + kv_cache_bytes(ModelShape.from_config(model.config), context, batch, kv_elem)
 
@@ -108,6 +110,8 @@ def compare_speed(models: dict, cfg: SpeedConfig) -> dict:
     out = {"device": str(device), "threads": torch.get_num_threads(), "bandwidth_gbs": bandwidth / 1e9,
            "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "warmup": cfg.warmup,
            "repeats": cfg.repeats}
+    if device.type == "cpu":  # the kernel variant auto picks, and whether it was forced
+        out["cpu"] = cpu_info().describe()
     for name, model in models.items():
         kernels = prepare(model, cfg.backend)  # after any move: kernels pack for the device
         try:

@@ -7,24 +7,31 @@ the rest. A layer that a kernel cannot take (bit width, group size, shape) keeps
 path and is reported.
 
   reference   dequantize + F.linear everywhere (the definition every backend is tested against)
-  cpu_avx512  quantize/csrc/*.cpp: int2-4 codes as nibbles, int5-8 as bytes, FP8 bytes
+  cpu_avx512  quantize/csrc/ kernels for AVX-512 CPUs: int2-4 codes as nibbles, int5-8 as bytes,
+              FP8 bytes (bf16 dot products where the CPU has AVX512-BF16)
+  cpu_avx2    the same layouts for AVX2 + FMA + F16C CPUs (own module, no AVX-512 instruction)
   cuda_int4   torch's tinygemm (torch._weight_int4pack_mm), 4-bit groups of 32-256
   cuda_int8   int8 weight-only: per-channel symmetric codes cast in the matmul
-  auto        the fastest available one for the device the layer's codes are on
+  auto        the fastest available one for the device the layer's codes are on (on the CPU:
+              cpu_<cpu_info().isa>; none, as on ARM or with LOWBIT_CPU_ISA=none: the reference)
 """
 from __future__ import annotations
 
+import functools
 from typing import Literal, get_args
 
 import torch
 from torch import nn
 
+from lowbit.calibrate.hardware import cpu_info
+
 from . import cpu_kernels, cuda_kernels
 from .fp8_linear import FP8Linear
 from .qlinear import QuantLinear
 
-Backend = Literal["reference", "auto", "cpu_avx512", "cuda_int4", "cuda_int8"]
+Backend = Literal["reference", "auto", "cpu_avx512", "cpu_avx2", "cuda_int4", "cuda_int8"]
 BACKENDS = get_args(Backend)
+CPU_VARIANTS = {"cpu_avx512": "avx512", "cpu_avx2": "avx2"}  # backend -> cpu_kernels variant
 
 
 def prepare(model: nn.Module, backend: Backend = "auto") -> dict[str, str]:
@@ -56,29 +63,37 @@ def make_kernel(module: QuantLinear | FP8Linear, backend: Backend):
         if kernel is not None:
             return kernel, name
         reasons.append(f"{name}: {reason}")
-    if backend != "auto" and not reasons:
-        reasons.append(f"{backend}: not available")
+    if not candidates:
+        reasons.append(no_candidates_reason(module.weight_codes.device))
     return None, "reference (" + "; ".join(reasons) + ")"
 
 
 def auto_candidates(device: torch.device) -> list[str]:
     if device.type == "cuda":
         return ["cuda_int4", "cuda_int8"]
-    if device.type == "cpu":
-        return ["cpu_avx512"]
+    if device.type == "cpu" and cpu_info().isa != "none":
+        return [f"cpu_{cpu_info().isa}"]
     return []
 
 
-def _cpu_avx512(module: QuantLinear):
+def no_candidates_reason(device: torch.device) -> str:
+    if device.type == "cpu":
+        return f"no CPU kernel variant: {cpu_kernels.unavailable('avx2')}"
+    return f"no kernels for {device.type}"
+
+
+def _cpu(module: QuantLinear, variant: str):
     if module.weight_codes.device.type != "cpu":
         return None, f"codes are on {module.weight_codes.device}, not the CPU"
-    layout = cpu_kernels.layout_for(module)
+    if (reason := cpu_kernels.unavailable(variant)) is not None:
+        return None, reason
+    layout = cpu_kernels.layout_for(module, variant)
     if isinstance(layout, str):
         return None, layout
-    ext = cpu_kernels.load()
+    ext = cpu_kernels.load(variant)
     if ext is None:
         return None, "the extension did not build (see the warning)"
-    return cpu_kernels.CpuKernel(ext, layout, module.bias), None
+    return cpu_kernels.CpuKernel(ext, variant, layout, module.bias), None
 
 
 def _fp8_kernel(module: FP8Linear, backend: Backend):
@@ -86,18 +101,25 @@ def _fp8_kernel(module: FP8Linear, backend: Backend):
     if module.weight.device.type != "cpu":
         where = module.weight.device
         return None, f"reference (FP8Linear on {where} runs torch._scaled_mm itself where the GPU has FP8)"
-    if backend != "auto" and backend != "cpu_avx512":
+    if backend == "auto":
+        if cpu_info().isa == "none":
+            return None, f"reference ({no_candidates_reason(module.weight.device)})"
+        backend = f"cpu_{cpu_info().isa}"
+    if backend not in CPU_VARIANTS:
         return None, f"reference ({backend} takes no FP8 layers)"
+    variant = CPU_VARIANTS[backend]
     found = cpu_kernels.fp8_group_scales(module)
     if isinstance(found, str):
-        return None, f"reference (cpu_avx512: {found})"
-    if cpu_kernels.cpu_supported() is not None or (ext := cpu_kernels.load()) is None:
-        return None, "reference (cpu_avx512: the extension is unavailable)"
-    return cpu_kernels.CpuFp8Kernel(ext, module, *found), "cpu_avx512"
+        return None, f"reference ({backend}: {found})"
+    if (reason := cpu_kernels.unavailable(variant)) is not None:
+        return None, f"reference ({backend}: {reason})"
+    if (ext := cpu_kernels.load(variant)) is None:
+        return None, f"reference ({backend}: the extension did not build (see the warning))"
+    return cpu_kernels.CpuFp8Kernel(ext, variant, module, *found), backend
 
 
 BUILDERS = {
-    "cpu_avx512": _cpu_avx512,
+    **{backend: functools.partial(_cpu, variant=variant) for backend, variant in CPU_VARIANTS.items()},
     "cuda_int4": cuda_kernels.int4_tinygemm,
     "cuda_int8": cuda_kernels.int8_weight_only,
 }

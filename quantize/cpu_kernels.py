@@ -1,8 +1,14 @@
-"""AVX-512 low-bit GEMV for CPU decode: built from csrc/*.cpp on first use.
+"""Low-bit GEMV for CPU decode, in two variants built from csrc/ on first use, each its own
+extension module compiled only for its instruction set:
 
-The build (g++ and ninja, through torch.utils.cpp_extension) is cached under
-$LOWBIT_CACHE/kernels; when it fails, or the CPU lacks AVX-512, `load()` returns None with
-the reason, and the caller falls back to the reference path.
+  avx512  gemv_avx512.cpp, gemv_bf16.cpp (AVX512-BF16 dot products where the CPU has them)
+  avx2    gemv_avx2.cpp: AVX2 + FMA + F16C, never an AVX-512 instruction (AMD Zen 2/3, older Intel)
+
+Both take the same layouts and export gemv_int4 / gemv_int8 / gemv_fp8 / quantize_fp8_inputs
+(fp8_inputs.cpp, compiled into each). Which one runs is `cpu_info().isa`
+(lowbit.calibrate.hardware; LOWBIT_CPU_ISA=avx512|avx2|none forces a lesser one). Builds are cached
+under $LOWBIT_CACHE/kernels; when a build fails, or the CPU has no variant (ARM, old x86, or
+forced none), `load()` returns None with the reason, and the caller falls back to the reference path.
 """
 from __future__ import annotations
 
@@ -18,45 +24,64 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.calibrate.cache import cache_dir
+from lowbit.calibrate.hardware import ISAS, cpu_info
 
 from .fp8 import quantize_activation
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "gemv_avx512.cpp", CSRC / "gemv_bf16.cpp", CSRC / "fp8_inputs.cpp"]
 HEADERS = [CSRC / "gemv_common.h"]
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
+COMMON_FLAGS = ["-O3", "-fopenmp"]
+VARIANTS = {  # variant -> (sources, the only instruction-set flags its module is compiled with)
+    "avx512": ([CSRC / "gemv_avx512.cpp", CSRC / "gemv_bf16.cpp", CSRC / "fp8_inputs.cpp"],
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]),
+    "avx2": ([CSRC / "gemv_avx2.cpp", CSRC / "fp8_inputs.cpp"], ["-mavx2", "-mfma", "-mf16c"]),
+}
 
 
-def cpu_supported() -> str | None:
-    """None when this CPU can run the kernels, else why not."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if "AVX512" not in capability:
-        return f"CPU capability is {capability}, the kernels need AVX512"
+def unavailable(variant: str) -> str | None:
+    """None when this CPU, as cpu_info() describes it, runs `variant`'s kernels, else why not."""
+    if variant not in VARIANTS:
+        return f"no kernel variant {variant!r} (variants: {', '.join(VARIANTS)})"
+    info = cpu_info()
+    if ISAS.index(variant) >= ISAS.index(info.isa):
+        return None
+    if info.forced and ISAS.index(variant) >= ISAS.index(info.native_isa):
+        return f"{info.forced} limits this CPU to {info.isa}"
+    return f"this {info.machine} CPU has no {variant} (its best variant: {info.native_isa})"
+
+
+def load(variant: str | None = None):
+    """The compiled module of `variant` (default: cpu_info().isa), or None after one warning
+    saying why (the CPU lacks it, or the build failed)."""
+    variant = variant or cpu_info().isa
+    reason = unavailable(variant) if variant != "none" else f"no kernel variant for this CPU ({cpu_info().describe()})"
+    if reason is None:
+        try:
+            return _build(variant)
+        except Exception as err:  # a missing compiler or ninja shows up as several error types
+            names = ", ".join(p.name for p in VARIANTS[variant][0])
+            reason = f"building {names} failed: {type(err).__name__}: {err}"
+    _warn_once(reason)
     return None
 
 
 @functools.cache
-def load():
-    """The compiled extension module, or None (after one warning saying why)."""
-    reason = cpu_supported()
-    if reason is None:
-        try:
-            return _build()
-        except Exception as err:  # a missing compiler or ninja shows up as several error types
-            reason = f"building {', '.join(p.name for p in SOURCES)} failed: {type(err).__name__}: {err}"
+def _warn_once(reason: str) -> None:
     warnings.warn(f"lowbit: CPU low-bit kernels unavailable ({reason}); using the reference "
-                  "path (dequantize + F.linear)", RuntimeWarning, stacklevel=2)
-    return None
+                  "path (dequantize + F.linear)", RuntimeWarning, stacklevel=3)
 
 
-def _build():
+@functools.cache
+def _build(variant: str):
     from torch.utils.cpp_extension import load as load_extension
 
-    code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    digest = hashlib.sha256(code + " ".join(FLAGS).encode()).hexdigest()[:12]
-    name = f"lowbit_gemv_{digest}"  # a new source or flags is a new module, never a stale one
+    sources, isa_flags = VARIANTS[variant]
+    flags = COMMON_FLAGS + isa_flags
+    code = b"".join(p.read_bytes() for p in sources + HEADERS)
+    digest = hashlib.sha256(code + " ".join(flags).encode()).hexdigest()[:12]
+    name = f"lowbit_gemv_{variant}_{digest}"  # a new source or flags is a new module, never a stale one
     build_dir = cache_dir("kernels", f"torch{torch.__version__}", name)
-    return load_extension(name, [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+    return load_extension(name, [str(p) for p in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                           build_directory=str(build_dir), verbose=False)
 
 
@@ -87,15 +112,21 @@ def scale_offset(scale: torch.Tensor, zero: torch.Tensor | None, code_shift: int
     return torch.stack([scale.float(), -shift * scale.float()], dim=-1).contiguous()
 
 
-def bf16_dot_available() -> bool:
-    """Whether layers with 16-bit activations may round them to bf16 for the dot-product
-    kernels (4-bit at any batch size; 8-bit and FP8 weight-only in batches): the CPU has
-    AVX512-BF16 and LOWBIT_CPU_BF16_DOT is not 0. Results then differ from the float32
-    reference by bf16 rounding (~0.4% relative)."""
-    if os.environ.get("LOWBIT_CPU_BF16_DOT", "1") == "0":
+def has_bf16_dot(variant: str) -> bool:
+    """Whether `variant` may use AVX512-BF16 dot products here: the avx512 variant, on a CPU
+    that has them (its module asks the CPU) and that cpu_info() treats as bf16-native."""
+    if variant != "avx512" or not cpu_info().bf16_native:
         return False
-    ext = load()
+    ext = load(variant)
     return ext is not None and bool(ext.has_avx512_bf16())
+
+
+def bf16_dot_available(variant: str | None = None) -> bool:
+    """Whether layers with 16-bit activations may round them to bf16 for the dot-product
+    kernels (4-bit at any batch size; 8-bit and FP8 weight-only in batches): has_bf16_dot and
+    LOWBIT_CPU_BF16_DOT is not 0. Results then differ from the float32 reference by bf16
+    rounding (~0.4% relative)."""
+    return os.environ.get("LOWBIT_CPU_BF16_DOT", "1") != "0" and has_bf16_dot(variant or cpu_info().isa)
 
 
 MAX_ROWS = 16  # activation rows per call the kernels take; larger (prefill) runs the reference
@@ -116,8 +147,8 @@ class CpuLayout:
         return self.bf16_dot and (self.bits == 4 or rows > 1)
 
 
-def layout_for(module) -> CpuLayout | str:
-    """The kernel layout of a QuantLinear, or why the kernels cannot take it."""
+def layout_for(module, variant: str) -> CpuLayout | str:
+    """The layout `variant`'s kernels take for a QuantLinear, or why they cannot take it."""
     scheme, (n, k) = module.scheme, module.weight_codes.shape
     bits = 4 if scheme.bits <= 4 else 8
     group = scheme.group_size if scheme.strategy == "group" else k
@@ -133,19 +164,20 @@ def layout_for(module) -> CpuLayout | str:
     scale, zero = module.weight_scale, module.weight_zero
     scale = scale.expand(n, k // group)  # per-tensor (1, 1) becomes one scale per row
     zero = None if zero is None else zero.expand(n, k // group)
-    if bits == 4 and bf16_dot_available() and group % 64 == 0:
+    bf16_dot = bf16_dot_available(variant)
+    if bits == 4 and bf16_dot and group % 64 == 0:
         return CpuLayout(4, pack_int4_tiles(codes), scale_offset(scale, zero, 8), group, perm, bf16_dot=True)
     if bits == 4:
         return CpuLayout(4, pack_int4(codes), scale_offset(scale, zero, 8), group, perm)
     return CpuLayout(8, codes.contiguous(), scale_offset(scale, zero, 0), group, perm,
-                     bf16_dot=bf16_dot_available() and group % 32 == 0)
+                     bf16_dot=bf16_dot and group % 32 == 0)
 
 
 class CpuKernel:
     """Callable attached to a QuantLinear: y = x @ W^T (+ bias) for up to MAX_ROWS rows."""
 
-    def __init__(self, ext, layout: CpuLayout, bias: Optional[torch.Tensor]):
-        self.layout, self.bias = layout, None if bias is None else bias.float()
+    def __init__(self, ext, variant: str, layout: CpuLayout, bias: Optional[torch.Tensor]):
+        self.variant, self.layout, self.bias = variant, layout, None if bias is None else bias.float()
         self.fn = ext.gemv_int8 if layout.bits == 8 else ext.gemv_int4_bf16 if layout.bf16_dot else ext.gemv_int4
         self.flags = (layout.bf16_dot,) if layout.bits == 8 else ()  # gemv_int8's bf16_batches
         self.nbytes = sum(t.nbytes for t in (layout.weight, layout.sb, bias) if t is not None)  # read per call
@@ -188,12 +220,12 @@ class CpuFp8Kernel:
     """Callable attached to an FP8Linear: its activations rounded onto the FP8 grid as the
     reference path does (same function), then the codes times the FP8 weight bytes."""
 
-    def __init__(self, ext, module, scales: torch.Tensor, group: int):
-        self.fn, self.module, self.scales, self.group = ext.gemv_fp8, module, scales, group
+    def __init__(self, ext, variant: str, module, scales: torch.Tensor, group: int):
+        self.fn, self.variant, self.module, self.scales, self.group = ext.gemv_fp8, variant, module, scales, group
         # batches of 2+ rows on bf16 dot products: exact for FP8-coded inputs; with 16-bit
         # inputs (activations "none") they round to bf16, as W8A16 does, unless opted out
         coded = module.activations != "none"
-        self.flags = (module.fmt == "e4m3", bool(ext.has_avx512_bf16()) if coded else bf16_dot_available())
+        self.flags = (module.fmt == "e4m3", has_bf16_dot(variant) if coded else bf16_dot_available(variant))
         self.codes = module.weight.view(torch.uint8)
         self.bias = None if module.bias is None else module.bias.float()
         self.quantize_inputs = ext.quantize_fp8_inputs

@@ -5,7 +5,7 @@ Buffers (names kept for export): `weight` (out, in) float8, `weight_scale` float
 `bias` float32 or None.
 
 Three paths give the same maths: on a GPU with FP8 tensor cores (CUDA capability >= 8.9: Ada,
-Hopper) `torch._scaled_mm` multiplies the FP8 codes directly; on an AVX-512 CPU, once
+Hopper) `torch._scaled_mm` multiplies the FP8 codes directly; on an AVX-512 or AVX2 CPU, once
 quantize.backends.prepare() has attached it, a kernel decodes the FP8 bytes in registers
 (decode-sized batches); elsewhere the reference path fake-quantizes the activations and
 multiplies by the dequantized weight.

@@ -31,3 +31,26 @@ def tiny_tokenizer_dir(tmp_path_factory):
     from lowbit.calibrate.models import resolve_model_path
 
     return resolve_model_path("smollm2-135m")
+
+
+def _force_cpu_variant(variant: str, monkeypatch) -> str:
+    """Treat this CPU as `variant` (LOWBIT_CPU_ISA); skipped, saying so, where the CPU lacks it."""
+    from lowbit.calibrate.hardware import ISAS, cpu_info
+
+    native = cpu_info().native_isa
+    if ISAS.index(variant) < ISAS.index(native):
+        pytest.skip(f"CPU without {variant} (its best kernel variant: {native})")
+    monkeypatch.setenv("LOWBIT_CPU_ISA", variant)
+    return variant
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def kernel_variant(request, monkeypatch):
+    """Each CPU kernel variant this CPU can run, forced in turn."""
+    return _force_cpu_variant(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["avx512", "avx2", "none"])
+def cpu_variant(request, monkeypatch):
+    """kernel_variant, plus none: no kernels, the reference path (as on ARM or old x86)."""
+    return _force_cpu_variant(request.param, monkeypatch)

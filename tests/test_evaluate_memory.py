@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from lowbit.evaluate.memory import (GIB, ModelShape, activation_bytes, fit_table, kv_cache_bytes,
-                                    measure_peak, model_weight_bytes, predicted_total,
-                                    resident_tensor_bytes)
+                                    measure_peak, model_weight_bytes, packed_tensor_bytes,
+                                    predicted_total, resident_tensor_bytes)
 
 
 def _cache_tensors_bytes(cache) -> int:
@@ -43,6 +43,25 @@ def test_weights_in_prediction_are_the_tensors_bytes(tiny_llama):
     assert total["total"] == weights + total["kv_cache"] + total["activations"]
     # hand-computed: mlp width 2*128 + 3*256 = 1024 > attention width; logits 2 x 512 x 4 bytes
     assert total["activations"] == 2 * 64 * 1024 * 2 + 2 * 512 * 4
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (3, 64), (8, None)])
+def test_decode_bytes_count_codes_at_their_bit_width_whatever_the_backend(bits, group):
+    """A (64, 256) layer: codes bits/8 bytes per weight (not QuantLinear's int8 storage), scales
+    float32, bias; the same with the reference path and with every kernel variant attached."""
+    from lowbit.quantize import backends
+    from lowbit.quantize.primitives import IntScheme
+    from lowbit.quantize.qlinear import QuantLinear
+    from lowbit.quantize.weight import quantize_rtn
+
+    scheme = IntScheme(bits, True, "group" if group else "channel", group)
+    layer = QuantLinear.from_quantized(quantize_rtn(torch.randn(64, 256), scheme), torch.zeros(64))
+    scales = 64 * (256 // group if group else 1) * 4
+    expected = 64 * 256 * bits // 8 + scales + 64 * 4
+    assert resident_tensor_bytes(layer) == 64 * 256 + scales + 64 * 4
+    for backend in ("reference", "auto", "cpu_avx2"):
+        backends.prepare(layer, backend)
+        assert packed_tensor_bytes(layer) == expected
 
 
 def test_fit_table_is_the_largest_that_fits():

@@ -108,3 +108,13 @@ def test_gpu_speed_gets_its_own_column(tmp_path):
     r["speed"]["cuda"] = {"model": {"1": {"decode_tok_s": 321.0}}}
     page = write_report([r], tmp_path / "report.html").read_text()
     assert "GPU decode tok/s (b1)" in page and "321.0" in page
+
+
+def test_speed_note_names_the_kernels_timed_and_why_the_reference_ran(tmp_path):
+    fast, slow = _results("w4", 10.8, 2**19, 6.0), _results("w8", 10.1, 2**20, 4.0)
+    fast["speed"].update(backends={"model": {"cpu_avx2": 154}}, cpu="x86_64 avx2 kernels, bf16 emulated")
+    slow["speed"]["backends"] = {"model": {"reference (no CPU kernel variant: this aarch64 CPU has no avx2)": 154}}
+    page = write_report([fast, slow], tmp_path / "report.html").with_suffix(".md").read_text()
+    assert "CPU: x86_64 avx2 kernels, bf16 emulated." in page
+    assert "w4: 154 x cpu_avx2" in page
+    assert "w8: 154 x reference (no CPU kernel variant: this aarch64 CPU has no avx2)" in page

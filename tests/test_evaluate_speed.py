@@ -30,6 +30,7 @@ def test_compare_speed_reports_each_model_and_batch(tiny_llama):
 
 
 def test_speed_times_quantized_linears_with_the_backend_kernels(tiny_llama):
+    from lowbit.calibrate.hardware import cpu_info
     from lowbit.quantize import cpu_kernels
     from lowbit.quantize.qlinear import QuantLinear
     from lowbit.quantize.rtn import RTNConfig, apply as rtn_apply
@@ -42,9 +43,12 @@ def test_speed_times_quantized_linears_with_the_backend_kernels(tiny_llama):
     out = compare_speed({"model": tiny_llama}, cfg)
     used = out["backends"]["model"]
     assert sum(used.values()) == sum(isinstance(m, QuantLinear) for m in tiny_llama.modules())
-    expected = "cpu_avx512" if cpu_kernels.load() is not None else None
-    if expected:
-        assert set(used) == {expected}
+    assert out["cpu"] == cpu_info().describe()  # the variant the run was timed with, and if forced
+    isa = cpu_info().isa  # the variant auto picks; none (ARM, forced): the reference, saying why
+    if isa == "none":
+        assert all(k.startswith("reference (no CPU kernel variant") for k in used)
+    elif cpu_kernels.load(isa) is not None:
+        assert set(used) == {f"cpu_{isa}"}
     assert all(m.kernel is None for m in tiny_llama.modules() if isinstance(m, QuantLinear))  # reference after
     reference = compare_speed({"model": tiny_llama}, SpeedConfig(**{**cfg.__dict__, "backend": "reference"}))
     assert reference["backends"]["model"] == {"reference": sum(used.values())}

@@ -1,4 +1,5 @@
-"""The CPU FP8 kernel must give FP8Linear's reference output, and decode every FP8 byte exactly."""
+"""The CPU FP8 kernel must give FP8Linear's reference output, and decode every FP8 byte exactly,
+in every kernel variant this CPU has (conftest's kernel_variant / cpu_variant)."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,6 @@ import torch
 from lowbit.quantize import backends, cpu_kernels
 from lowbit.quantize.fp8 import FP8_DTYPES, FP8Weight, quantize_weight_fp8
 from lowbit.quantize.fp8_linear import FP8Linear
-
-pytestmark = pytest.mark.skipif(cpu_kernels.cpu_supported() is not None, reason="CPU without AVX-512")
 
 
 def make_fp8_layer(out: int, inp: int, fmt: str, strategy: str, activations: str) -> FP8Linear:
@@ -24,11 +23,16 @@ def make_fp8_layer(out: int, inp: int, fmt: str, strategy: str, activations: str
 @pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
 @pytest.mark.parametrize("activations", ["dynamic", "static", "none"])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_cpu_fp8_kernel_matches_reference(fmt, strategy, activations, rows):
+def test_cpu_fp8_kernel_matches_reference(fmt, strategy, activations, rows, cpu_variant):
     layer = make_fp8_layer(200, 384, fmt, strategy, activations)  # 384: three 128-column blocks
     x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(1)) * 2
     expected, expected_bf16_x = layer(x), layer(x.bfloat16().float())
-    assert backends.prepare(layer, "cpu_avx512") == {"": "cpu_avx512"}
+    chosen = backends.prepare(layer, "auto")[""]
+    if cpu_variant == "none":  # no kernel: FP8Linear's own path, and the reason
+        assert chosen.startswith("reference (no CPU kernel variant: LOWBIT_CPU_ISA=none") and layer.kernel is None
+        assert torch.equal(layer(x), expected)
+        return
+    assert chosen == f"cpu_{cpu_variant}" and layer.kernel.variant == cpu_variant
     got = layer(x)
     assert got.shape == expected.shape
     scale = expected.abs().max()
@@ -42,7 +46,7 @@ def test_cpu_fp8_kernel_matches_reference(fmt, strategy, activations, rows):
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_every_fp8_byte_decodes_exactly(fmt):
+def test_every_fp8_byte_decodes_exactly(fmt, kernel_variant):
     """Row i of the weight holds byte i in column 0: a unit input reads each decoded value back."""
     codes = torch.zeros(256, 16, dtype=torch.uint8)
     codes[:, 0] = torch.arange(256, dtype=torch.uint8)
@@ -52,7 +56,7 @@ def test_every_fp8_byte_decodes_exactly(fmt):
     data = codes.view(FP8_DTYPES[fmt])
     scale = torch.full((256, 1), 0.5)
     layer = FP8Linear.from_weight(FP8Weight(data, scale, fmt, "channel"), None, "none")
-    backends.prepare(layer, "cpu_avx512")
+    assert backends.prepare(layer, f"cpu_{kernel_variant}") == {"": f"cpu_{kernel_variant}"}
     x = torch.zeros(1, 16)
     x[0, 0] = 1.0
     got = layer(x)[0]
@@ -60,7 +64,7 @@ def test_every_fp8_byte_decodes_exactly(fmt):
     assert (values[finite] != 0).sum() > 200  # the test saw real values, not a zeroed weight
 
 
-def test_fp8_layers_the_kernel_cannot_take_keep_the_reference_path():
+def test_fp8_layers_the_kernel_cannot_take_keep_the_reference_path(kernel_variant):
     layer = make_fp8_layer(64, 200, "e4m3", "block", "dynamic")  # 200 columns: a partial block
     chosen = backends.prepare(layer, "auto")
     assert layer.kernel is None and "128-column weight blocks" in chosen[""]
@@ -68,7 +72,7 @@ def test_fp8_layers_the_kernel_cannot_take_keep_the_reference_path():
         "": "reference (cuda_int8 takes no FP8 layers)"}
 
 
-def test_prefill_sized_inputs_take_the_reference_path():
+def test_prefill_sized_inputs_take_the_reference_path(kernel_variant):
     layer = make_fp8_layer(64, 256, "e4m3", "channel", "dynamic")
     backends.prepare(layer, "auto")
     assert layer.kernel.accepts(torch.randn(1, 256))
@@ -77,7 +81,7 @@ def test_prefill_sized_inputs_take_the_reference_path():
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("static_scale", [0.0, 0.01])
-def test_cpu_fp8_input_quantization_is_bitwise_the_reference(fmt, static_scale):
+def test_cpu_fp8_input_quantization_is_bitwise_the_reference(fmt, static_scale, kernel_variant):
     """Rows from 1e-12 to 1e3 in magnitude reach the subnormals, the ties and saturation."""
     from lowbit.quantize.fp8 import dynamic_token_scale, quantize_activation
 
@@ -85,7 +89,7 @@ def test_cpu_fp8_input_quantization_is_bitwise_the_reference(fmt, static_scale):
     x = torch.randn(16, 1024, generator=g) * torch.logspace(-12, 3, 16).unsqueeze(1)
     x[1] = 0  # an all-zero row: scale 1
     x[2, :8] = torch.tensor([1e-30, -1e-30, 2.0**-9 * 1.5, -(2.0**-10), 447.0, 440.0, 432.0, -433.0])
-    codes, scales = cpu_kernels.load().quantize_fp8_inputs(x, static_scale, fmt == "e4m3")
+    codes, scales = cpu_kernels.load(kernel_variant).quantize_fp8_inputs(x, static_scale, fmt == "e4m3")
     ref_scale = dynamic_token_scale(x, fmt) if static_scale == 0 else torch.full((16, 1), static_scale)
     ref = quantize_activation(x, ref_scale, fmt).float()
     assert torch.equal(codes.view(torch.int32), ref.view(torch.int32))  # signs of zero too

@@ -16,7 +16,6 @@
 using namespace lowbit;
 
 torch::Tensor gemv_int4_bf16(torch::Tensor x, torch::Tensor tiles, torch::Tensor sb, int64_t group);
-std::vector<torch::Tensor> quantize_fp8_inputs(torch::Tensor x, double static_scale, bool e4m3);
 
 namespace {
 
@@ -127,11 +126,11 @@ void int8_row_single(const float* x, const float* xsum, const int8_t* w, const f
 
 }  // namespace
 
-torch::Tensor gemv_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sb, int64_t group) {
+torch::Tensor lowbit::gemv_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sb, int64_t group) {
   const int64_t N = packed.size(0), K = packed.size(1) * 2, G = K / group;
   check_inputs(x, sb, K, group, 32);
   const int64_t M = x.numel() / K;
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
+  check_int4(packed);
   std::vector<int32_t> lo_off(K / 32), hi_off(K / 32);  // table of each half-block, as float offsets
   for (int64_t b = 0; b < K / 32; ++b) {
     lo_off[b] = (int32_t)((b * 32) / group * 16);
@@ -163,11 +162,11 @@ torch::Tensor gemv_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor sb,
 }
 
 // bf16_batches: batches of 2+ rows round x to bf16 and use vdpbf16ps (where group % 32 == 0).
-torch::Tensor gemv_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sb, int64_t group, bool bf16_batches) {
+torch::Tensor lowbit::gemv_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sb, int64_t group, bool bf16_batches) {
   const int64_t N = codes.size(0), K = codes.size(1), G = K / group;
   check_inputs(x, sb, K, group, 16);
   const int64_t M = x.numel() / K;
-  TORCH_CHECK(codes.scalar_type() == torch::kChar && codes.is_contiguous(), "codes must be contiguous int8");
+  check_int8(codes);
   std::vector<int32_t> chunk_group(K / 16);
   for (int64_t c = 0; c < K / 16; ++c) chunk_group[c] = (int32_t)(c * 16 / group);
   auto y = output_for(x, N, true);  // tiles add their partial sums
@@ -176,9 +175,7 @@ torch::Tensor gemv_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sb, 
   const int8_t* wp = codes.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
   if (M == 1) {
-    std::vector<float> xsum(G, 0.f);  // a plain loop: a torch op here costs more in dispatch
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) xsum[g] += xp[k];
+    const std::vector<float> xsum = group_sums(xp, G, group);
     const float* xs = xsum.data();
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) int8_row_single(xp, xs, wp + n * K, sbp + n * G * 2, K, group, yp + n);
@@ -251,14 +248,10 @@ void fp8_rows(const float* xp, const uint8_t* wp, const float* sp, int64_t M, in
 
 // y = x @ (W * scales)^T, W's float8 bytes as uint8. E4M3 scales must include the factor 2^8.
 // bf16_batches: batches of 2+ rows use vdpbf16ps, exact for FP8-coded x, else x rounds to bf16.
-torch::Tensor gemv_fp8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t group, bool e4m3,
+torch::Tensor lowbit::gemv_fp8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t group, bool e4m3,
                        bool bf16_batches) {
+  check_fp8(x, codes, scales, group);
   const int64_t N = codes.size(0), K = codes.size(1);
-  check_x(x, K);
-  TORCH_CHECK(K % group == 0 && group % 16 == 0, "K=", K, " group=", group, " unsupported");
-  TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.size(0) == N &&
-              scales.size(1) == K / group, "scales must be (N, K/group) float32");
   const int64_t M = x.numel() / K;
   auto y = output_for(x, N, false);
   const float* xp = x.data_ptr<float>();
@@ -273,10 +266,7 @@ torch::Tensor gemv_fp8(torch::Tensor x, torch::Tensor codes, torch::Tensor scale
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv_int4", &gemv_int4, "y = x @ W^T with W packed int4 (per-group scale and offset)");
-  m.def("gemv_int8", &gemv_int8, "y = x @ W^T with W int8 codes (per-group scale and offset)");
+  def_common(m);
   m.def("gemv_int4_bf16", &gemv_int4_bf16, "y = x @ W^T, W in int4 tiles of four rows, x rounded to bf16");
-  m.def("gemv_fp8", &gemv_fp8, "y = x @ W^T, W float8 bytes (E4M3 or E5M2) with per-group scales");
-  m.def("quantize_fp8_inputs", &quantize_fp8_inputs, "x / scale on the FP8 grid (as float32) and the scales");
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether this CPU runs gemv_int4_bf16");
 }
