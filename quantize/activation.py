@@ -76,10 +76,22 @@ def plain_int8_grid(module) -> bool:
     return s.bits == 8 and s.symmetric and s.strategy != "group" and module.weight_g_idx is None
 
 
+def cpu_int_mm_fast() -> bool:
+    """torch._int_mm runs oneDNN's VNNI kernels on this CPU (torch needs oneDNN enabled too)."""
+    return cpu_info().int8_native and torch.backends.mkldnn.enabled
+
+
+def product_path(device) -> str:
+    """How plain int8 W8A8 linears on this device multiply (recorded in the step's details)."""
+    if torch.device(device).type == "cpu" and not cpu_int_mm_fast():
+        return "float32 matmul of the int8 codes (torch._int_mm is a scalar loop on this CPU)"
+    return "torch._int_mm (int8, int32 accumulation)"
+
+
 def int_mm_fast(module, x2d: torch.Tensor) -> bool:
     """Whether torch._int_mm beats a float32 matmul of the codes here (see the module docstring)."""
-    if x2d.device.type == "cpu":  # torch also needs oneDNN enabled to use its VNNI kernels
-        return cpu_info().int8_native and torch.backends.mkldnn.enabled
+    if x2d.device.type == "cpu":
+        return cpu_int_mm_fast()
     # CUDA kernels need more than 16 rows and sizes in multiples of 8
     return x2d.device.type == "cuda" and x2d.shape[0] > 16 and x2d.shape[1] % 8 == 0 \
         and module.out_features % 8 == 0

@@ -40,7 +40,8 @@ def test_nothing_is_installed_under_a_top_level_name(wheel_names):
 def test_import_evaluate_is_hugging_face_not_ours():
     import evaluate
 
-    assert not Path(evaluate.__file__).resolve().is_relative_to(ROOT)
+    # not ROOT/evaluate (a venv inside the worktree, as the README sets up, may hold Hugging Face's)
+    assert Path(evaluate.__file__).resolve().parent != (ROOT / "evaluate").resolve()
     import lowbit.evaluate
 
     assert Path(lowbit.evaluate.__file__).resolve().is_relative_to(ROOT)

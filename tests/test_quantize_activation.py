@@ -73,6 +73,7 @@ def test_cpu_path_follows_int8_capability(env, expected, monkeypatch):
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape) or real_int_mm(a, b))
     y = q(x)
     assert activation.int_mm_fast(q, x) == expected and bool(calls) == expected
+    assert activation.product_path("cpu").startswith("torch._int_mm") == expected  # what the step records
     torch.testing.assert_close(y, _fake_quant_reference(q, x), rtol=1e-5, atol=1e-4)
 
 
