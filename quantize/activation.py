@@ -64,11 +64,6 @@ def input_codes(x2d: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tens
     return torch.div(x2d.float(), scale).round_().clamp_(-qmax - 1, qmax)
 
 
-def quantize_input(x2d: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
-    """int8 codes of x (tokens, in) on the symmetric grid of `scale` ((tokens, 1) or (1,))."""
-    return input_codes(x2d, scale, qmax).to(torch.int8)
-
-
 def plain_int8_grid(module) -> bool:
     """Whether the weight is a plain symmetric int8 per-channel/tensor grid (one scale per output
     row), so that the integer product Xq @ Wq^T can be scaled afterwards."""
