@@ -1,7 +1,7 @@
 """What this CPU does well, read once: which kernel variant it runs and whether bf16 is native.
 
 Every choice that depends on the CPU (the decode kernels' instruction set, the compute dtype of
-calibration forwards) asks `cpu_info()`, so one environment variable can make a machine behave
+calibration forwards, int8 or float32 matmuls for W8A8) asks `cpu_info()`, so one environment variable can make a machine behave
 like a lesser one, and tests run every path on the machine they have:
 
   LOWBIT_CPU_ISA=avx512|avx2|none   the kernel variant (at most what the CPU has; none: the
@@ -9,6 +9,10 @@ like a lesser one, and tests run every path on the machine they have:
   LOWBIT_CPU_BF16=native|emulated   whether bf16 matmuls are fast here (default: the CPU's
                                     AVX512-BF16 / AMX-BF16 / ARM BF16 flags, and emulated
                                     whenever LOWBIT_CPU_ISA forces a variant below avx512)
+  LOWBIT_CPU_INT8=native|emulated   whether torch._int_mm is fast here (default: AVX512-VNNI or
+                                    AMX-INT8, the flags torch 2.x needs to run it on oneDNN; without
+                                    them it runs a scalar loop, ~6x slower than a float32 matmul;
+                                    emulated whenever LOWBIT_CPU_ISA forces a variant below avx512)
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ISAS = ("avx512", "avx2", "none")  # best first
-ISA_ENV, BF16_ENV = "LOWBIT_CPU_ISA", "LOWBIT_CPU_BF16"
+ISA_ENV, BF16_ENV, INT8_ENV = "LOWBIT_CPU_ISA", "LOWBIT_CPU_BF16", "LOWBIT_CPU_INT8"
 
 # what each kernel variant is compiled for (csrc/ builds with the matching -m flags)
 ISA_FLAGS = {
@@ -28,6 +32,9 @@ ISA_FLAGS = {
     "none": set(),
 }
 BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 AVX512-BF16 / AMX, aarch64 FEAT_BF16
+# torch's CPU _int_mm calls oneDNN only where at::cpu::is_avx512_vnni_supported() (AMX-INT8 CPUs
+# have VNNI too); elsewhere, ARM included, it falls back to a scalar triple loop
+INT8_FLAGS = {"avx512_vnni", "amx_int8"}
 
 
 @dataclass(frozen=True)
@@ -35,17 +42,19 @@ class CpuInfo:
     isa: str  # the kernel variant to run: one of ISAS
     native_isa: str  # the best variant the CPU itself has
     bf16_native: bool  # bf16 matmuls run in hardware (else torch emulates them, several x slower)
+    int8_native: bool  # torch._int_mm runs on oneDNN VNNI kernels (else a scalar loop)
     forced: str  # which environment variables changed the answer ("" when none)
     machine: str  # platform.machine(): x86_64, aarch64, ...
 
     def to_dict(self) -> dict:
         return {"isa": self.isa, "native_isa": self.native_isa, "bf16_native": self.bf16_native,
-                "forced": self.forced, "machine": self.machine}
+                "int8_native": self.int8_native, "forced": self.forced, "machine": self.machine}
 
     def describe(self) -> str:
         bf16 = "native bf16" if self.bf16_native else "bf16 emulated"
+        int8 = "native int8 matmul" if self.int8_native else "int8 matmul emulated"
         forced = f", forced by {self.forced}" if self.forced else ""
-        return f"{self.machine} {self.isa} kernels, {bf16}{forced}"
+        return f"{self.machine} {self.isa} kernels, {bf16}, {int8}{forced}"
 
 
 def cpu_flags() -> frozenset[str]:
@@ -81,21 +90,28 @@ def resolve(flags: frozenset[str], machine: str, env: dict) -> CpuInfo:
                              f"valid values here are {', '.join(ISAS[ISAS.index(best):])}")
         isa = wanted
         forced.append(f"{ISA_ENV}={wanted}")
-    bf16 = bool(flags & BF16_FLAGS) and isa == best  # a forced lesser variant models a CPU without it
-    wanted_bf16 = env.get(BF16_ENV, "").strip().lower()
-    if wanted_bf16:
-        if wanted_bf16 not in ("native", "emulated"):
-            raise ValueError(f"{BF16_ENV}={wanted_bf16!r}: valid values are native, emulated")
-        bf16 = wanted_bf16 == "native"
-        forced.append(f"{BF16_ENV}={wanted_bf16}")
-    return CpuInfo(isa, best, bf16, " ".join(forced), machine)
+    lesser = isa != best  # a forced lesser variant models a CPU without bf16 or VNNI
+    bf16 = _native_override(env, BF16_ENV, bool(flags & BF16_FLAGS) and not lesser, forced)
+    int8 = _native_override(env, INT8_ENV, bool(flags & INT8_FLAGS) and not lesser, forced)
+    return CpuInfo(isa, best, bf16, int8, " ".join(forced), machine)
+
+
+def _native_override(env: dict, name: str, detected: bool, forced: list) -> bool:
+    """`detected`, unless env[name] is native or emulated (then noted in forced)."""
+    wanted = env.get(name, "").strip().lower()
+    if not wanted:
+        return detected
+    if wanted not in ("native", "emulated"):
+        raise ValueError(f"{name}={wanted!r}: valid values are native, emulated")
+    forced.append(f"{name}={wanted}")
+    return wanted == "native"
 
 
 @functools.cache
-def _cached(isa_env: str, bf16_env: str) -> CpuInfo:
-    return resolve(cpu_flags(), platform.machine(), {ISA_ENV: isa_env, BF16_ENV: bf16_env})
+def _cached(isa_env: str, bf16_env: str, int8_env: str) -> CpuInfo:
+    return resolve(cpu_flags(), platform.machine(), {ISA_ENV: isa_env, BF16_ENV: bf16_env, INT8_ENV: int8_env})
 
 
 def cpu_info() -> CpuInfo:
     """This CPU as the environment says to treat it (re-read when the variables change)."""
-    return _cached(os.environ.get(ISA_ENV, ""), os.environ.get(BF16_ENV, ""))
+    return _cached(*(os.environ.get(name, "") for name in (ISA_ENV, BF16_ENV, INT8_ENV)))

@@ -7,6 +7,7 @@ H = 2/N · XᵀX (in, in); `apply` walks the decoder layers, quantizing true-seq
 """
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Literal, Optional
 import torch
 from torch import nn
 
+from lowbit.calibrate.hardware import cpu_info
 from lowbit.calibrate.walker import record_linear_inputs, walk
 
 from .fp8 import FP8Format, FP8Weight, WeightStrategy, element_scale, saturating_cast, weight_scale
@@ -47,7 +49,8 @@ class GPTQConfig:
     true_sequential: bool = True
     micro_batch: int = 8  # calibration samples per forward pass
     # dtype of the calibration forwards (autocast; Hessians and the solve stay float32). auto:
-    # bfloat16 where the device has fast bf16 matmuls (CUDA, AVX512-BF16/AMX CPUs), else float32
+    # bfloat16 where the device has fast bf16 matmuls (CUDA, CPUs where cpu_info().bf16_native),
+    # else float32 (torch emulates bf16 on other CPUs: a 4096x576x1536 matmul 9x slower on AVX2)
     forward_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
 
     def __post_init__(self):
@@ -94,13 +97,14 @@ class HessianAccumulator:
 
 
 def resolve_forward_dtype(name: str, device) -> torch.dtype:
-    """The dtype `auto` stands for on this device."""
+    """The dtype `auto` stands for on this device. On a CPU calibrate.hardware decides (not
+    torch's mkldnn check, which says yes on any AVX-512 CPU, where bf16 may be emulated)."""
     if name != "auto":
         return getattr(torch, name)
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if device.type == "cpu" and cpu_info().bf16_native:
         return torch.bfloat16
     return torch.float32
 
@@ -388,10 +392,14 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve) -> tuple[lis
                 "linears": {f"{prefix}.{n}": s for n, s in stats.items()}}
 
     forward_dtype = resolve_forward_dtype(cfg.forward_dtype, ctx.device)
+    name = str(forward_dtype).removeprefix("torch.")
+    device = torch.device(ctx.device)
+    where = f"CPU: {cpu_info().describe()}" if device.type == "cpu" else str(device)
+    print(f"[gptq] forward dtype {name} ({cfg.forward_dtype} on {where})", file=sys.stderr)
     layers = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="gptq",
                   micro_batch=cfg.micro_batch, forward_dtype=forward_dtype, final_outputs=False,
                   store=ctx.layer_store)
-    return list(layers), str(forward_dtype).removeprefix("torch.")
+    return list(layers), name
 
 
 def linear_stats(row_loss: torch.Tensor, dampening_frac: float, retries: int, seconds: float) -> dict:

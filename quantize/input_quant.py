@@ -6,11 +6,12 @@ absmax of each linear's input over the calibration batches (stored in QuantLinea
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from lowbit.calibrate.observers import linear_input_absmax
 
-from .activation import InputQuant, static_scale_from_absmax
+from .activation import InputQuant, product_path, static_scale_from_absmax
 from .qlinear import QuantLinear
 from .step import StepContext
 from .targets import is_ignored
@@ -45,5 +46,7 @@ def apply(ctx: StepContext, cfg: InputQuantConfig) -> dict:
     absmax = {} if cfg.dynamic else linear_input_absmax(ctx.model, list(modules), ctx.batches)
     for name, module in modules.items():
         enable_input_quant(module, iq, absmax.get(name))
+    path = product_path(ctx.device)
+    print(f"[quantize_inputs] W8A8 products: {path}", file=sys.stderr)
     return {"inputs_quantized": list(modules), "input_scheme": "per-token dynamic" if cfg.dynamic
-            else "per-tensor static"}
+            else "per-tensor static", "matmul": path}

@@ -24,16 +24,57 @@ def _qlinear(scheme, seed=0, bias=True):
     return lin, QuantLinear.from_quantized(quantize_rtn(lin.weight.data, scheme), lin.bias)
 
 
+def _fake_quant_reference(q, x):
+    """The definition: the input rounded onto its grid, times the dequantized weight."""
+    x2d = x.reshape(-1, x.shape[-1])
+    iq = q.input_quant
+    scale = activation.per_token_scale(x2d, iq.qmax) if iq.dynamic else q.input_scale.reshape(1, 1)
+    xq = torch.round(x2d / scale).clamp(-128, 127) * scale
+    return torch.nn.functional.linear(xq, q.dequantized_weight(), q.bias).reshape(*x.shape[:-1], -1)
+
+
 @pytest.mark.parametrize("dynamic", [True, False])
-def test_int8_matmul_matches_reference_path(dynamic, monkeypatch):
+def test_int8_and_float32_products_agree_exactly_and_match_the_definition(dynamic):
     _, q = _qlinear(IntScheme(8, strategy="channel"))
     x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(1))
-    input_quant.enable_input_quant(q, InputQuant(dynamic=dynamic), absmax=x.abs().amax(dim=(0, 1)))
-    assert activation.int_mm_usable(q, x.reshape(-1, 64))
-    fast = q(x)
-    monkeypatch.setattr(activation, "int_mm_usable", lambda *a: False)
-    reference = q(x)
-    torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-4)
+    input_quant.enable_input_quant(q, InputQuant(dynamic=dynamic), absmax=x.abs().amax(dim=(0, 1)) * 0.8)
+    with_int_mm = activation.quantized_input_linear(q, x, use_int_mm=True)
+    with_float32 = activation.quantized_input_linear(q, x, use_int_mm=False)
+    assert torch.equal(with_int_mm, with_float32)  # the same integer sums, scaled the same way
+    torch.testing.assert_close(with_float32, _fake_quant_reference(q, x), rtol=1e-5, atol=1e-4)
+
+
+def test_float32_sums_of_int8_codes_are_exact_up_to_2_pow_24():
+    # 1024 products of -128 x -128 sum to 2^24 exactly: the worst case below which float32
+    # accumulation cannot round; random extreme codes must match _int_mm bit for bit
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(-128, 128, (32, 1024), generator=gen, dtype=torch.int8)
+    codes[0] = -128
+    weight = torch.randint(-128, 128, (40, 1024), generator=gen, dtype=torch.int8)
+    weight[0] = -128
+    exact = torch._int_mm(codes, weight.t())
+    assert exact[0, 0] == 2 ** 24
+    assert torch.equal((codes.float() @ weight.t().float()).to(torch.int32), exact)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"LOWBIT_CPU_INT8": "native"}, True),
+    ({"LOWBIT_CPU_INT8": "emulated"}, False),
+    ({"LOWBIT_CPU_ISA": "none"}, False),  # a forced lesser CPU has no VNNI
+])
+def test_cpu_path_follows_int8_capability(env, expected, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _, q = _qlinear(IntScheme(8, strategy="channel"))
+    input_quant.enable_input_quant(q, InputQuant())
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(4))
+    calls = []
+    real_int_mm = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape) or real_int_mm(a, b))
+    y = q(x)
+    assert activation.int_mm_fast(q, x) == expected and bool(calls) == expected
+    assert activation.product_path("cpu").startswith("torch._int_mm") == expected  # what the step records
+    torch.testing.assert_close(y, _fake_quant_reference(q, x), rtol=1e-5, atol=1e-4)
 
 
 def test_w8a8_output_is_close_to_float_and_differs_from_weight_only():
@@ -51,8 +92,8 @@ def test_grouped_int4_weights_take_reference_path():
     _, q = _qlinear(IntScheme(4, strategy="group", group_size=16))
     input_quant.enable_input_quant(q, InputQuant())
     x = torch.randn(5, 64)
-    assert not activation.int_mm_usable(q, x)
-    assert q(x).shape == (5, 48)
+    assert not activation.plain_int8_grid(q)
+    torch.testing.assert_close(q(x), _fake_quant_reference(q, x), rtol=1e-5, atol=1e-4)
 
 
 def test_static_step_calibrates_documented_buffer():

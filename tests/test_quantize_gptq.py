@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lowbit.calibrate.arch import arch_for, decoder_layers
+from lowbit.calibrate.hardware import cpu_info
 from lowbit.calibrate.walker import capture_first_layer_inputs, record_linear_inputs
 from lowbit.quantize import gptq
 from lowbit.quantize.gptq import GPTQConfig, HessianAccumulator, gptq_solve, quantize_weight
@@ -192,10 +193,27 @@ def test_bf16_forwards_quantize_about_as_well_as_float32(tiny_llama):
     assert error_bf16 < 1.25 * error_fp32
 
 
-def test_forward_dtype_auto_resolves_per_device():
+@pytest.mark.parametrize("env, expected", [
+    ({"LOWBIT_CPU_BF16": "native"}, torch.bfloat16),
+    ({"LOWBIT_CPU_BF16": "emulated"}, torch.float32),
+    ({"LOWBIT_CPU_ISA": "none"}, torch.float32),  # a forced lesser CPU has no bf16 (ARM-like, pre-AVX2)
+])
+def test_forward_dtype_auto_follows_the_cpu_description(monkeypatch, env, expected):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cpu_info().bf16_native == (expected == torch.bfloat16)
+    assert gptq.resolve_forward_dtype("auto", "cpu") == expected
+    # an explicit dtype is taken as written, whatever the CPU
     assert gptq.resolve_forward_dtype("float32", "cpu") == torch.float32
     assert gptq.resolve_forward_dtype("bfloat16", "cpu") == torch.bfloat16
-    fast_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert gptq.resolve_forward_dtype("auto", "cpu") == (torch.bfloat16 if fast_bf16 else torch.float32)
+
+
+def test_forward_dtype_auto_is_recorded_and_printed(monkeypatch, tiny_llama, capsys):
+    monkeypatch.setenv("LOWBIT_CPU_BF16", "emulated")
+    ids = torch.randint(0, tiny_llama.config.vocab_size, (2, 16))
+    cfg = GPTQConfig(bits=4, strategy="group", group_size=32)
+    result = gptq.apply(StepContext(tiny_llama, arch_for(tiny_llama), ("lm_head",), lambda: ids), cfg)
+    assert result["forward_dtype"] == "float32"
+    assert "forward dtype float32 (auto on CPU:" in capsys.readouterr().err
     with pytest.raises(ValueError, match="forward_dtype"):
         GPTQConfig(forward_dtype="fp16")
