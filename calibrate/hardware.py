@@ -1,8 +1,9 @@
 """What this CPU does well, read once: which kernel variant it runs and whether bf16 is native.
 
 Every choice that depends on the CPU (the decode kernels' instruction set, the compute dtype of
-calibration forwards, int8 or float32 matmuls for W8A8) asks `cpu_info()`, so one environment variable can make a machine behave
-like a lesser one, and tests run every path on the machine they have:
+calibration forwards, int8 or float32 matmuls for W8A8) asks `cpu_info()`, so one environment
+variable can make a machine behave like a lesser one, and tests run every path on the machine
+they have:
 
   LOWBIT_CPU_ISA=avx512|avx2|none   the kernel variant (at most what the CPU has; none: the
                                     reference path, as on ARM or pre-AVX2 x86)
