@@ -36,6 +36,13 @@ BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 AVX512-BF16 / AMX, aarch
 # torch's CPU _int_mm calls oneDNN only where at::cpu::is_avx512_vnni_supported() (AMX-INT8 CPUs
 # have VNNI too); elsewhere, ARM included, it falls back to a scalar triple loop
 INT8_FLAGS = {"avx512_vnni", "amx_int8"}
+# oneDNN's own cap, lowest first: torch's CPU bf16 and int8 matmuls run on oneDNN, so a cap below a
+# feature makes it as absent as a CPU without it. With the cap below VNNI on a VNNI CPU, torch
+# 2.13's CPU _int_mm even returns wrong sums (its dispatch reads the CPU flag, not the cap).
+ONEDNN_CAP_ENV = "ONEDNN_MAX_CPU_ISA"
+ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+               "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX", "AVX10_1_512_AMX",
+               "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16")
 
 
 @dataclass(frozen=True)
@@ -92,9 +99,21 @@ def resolve(flags: frozenset[str], machine: str, env: dict) -> CpuInfo:
         isa = wanted
         forced.append(f"{ISA_ENV}={wanted}")
     lesser = isa != best  # a forced lesser variant models a CPU without bf16 or VNNI
-    bf16 = _native_override(env, BF16_ENV, bool(flags & BF16_FLAGS) and not lesser, forced)
-    int8 = _native_override(env, INT8_ENV, bool(flags & INT8_FLAGS) and not lesser, forced)
+    has_bf16, has_int8 = bool(flags & BF16_FLAGS) and not lesser, bool(flags & INT8_FLAGS) and not lesser
+    capped_bf16 = has_bf16 and onednn_allows(env, "AVX512_CORE_BF16")
+    capped_int8 = has_int8 and onednn_allows(env, "AVX512_CORE_VNNI")
+    if (capped_bf16, capped_int8) != (has_bf16, has_int8):
+        forced.append(f"{ONEDNN_CAP_ENV}={env[ONEDNN_CAP_ENV]}")
+    bf16 = _native_override(env, BF16_ENV, capped_bf16, forced)
+    int8 = _native_override(env, INT8_ENV, capped_int8, forced)
     return CpuInfo(isa, best, bf16, int8, " ".join(forced), machine)
+
+
+def onednn_allows(env: dict, level: str) -> bool:
+    """Whether ONEDNN_MAX_CPU_ISA (unset, ALL, DEFAULT or a name we do not know: no cap) lets
+    oneDNN use `level` (one of ONEDNN_ISAS)."""
+    cap = env.get(ONEDNN_CAP_ENV, "").strip().upper()
+    return cap not in ONEDNN_ISAS or ONEDNN_ISAS.index(cap) >= ONEDNN_ISAS.index(level)
 
 
 def _native_override(env: dict, name: str, detected: bool, forced: list) -> bool:
@@ -108,11 +127,14 @@ def _native_override(env: dict, name: str, detected: bool, forced: list) -> bool
     return wanted == "native"
 
 
+ENV_NAMES = (ISA_ENV, BF16_ENV, INT8_ENV, ONEDNN_CAP_ENV)
+
+
 @functools.cache
-def _cached(isa_env: str, bf16_env: str, int8_env: str) -> CpuInfo:
-    return resolve(cpu_flags(), platform.machine(), {ISA_ENV: isa_env, BF16_ENV: bf16_env, INT8_ENV: int8_env})
+def _cached(values: tuple[str, ...]) -> CpuInfo:
+    return resolve(cpu_flags(), platform.machine(), dict(zip(ENV_NAMES, values)))
 
 
 def cpu_info() -> CpuInfo:
     """This CPU as the environment says to treat it (re-read when the variables change)."""
-    return _cached(*(os.environ.get(name, "") for name in (ISA_ENV, BF16_ENV, INT8_ENV)))
+    return _cached(tuple(os.environ.get(name, "") for name in ENV_NAMES))

@@ -58,10 +58,22 @@ def test_cannot_force_more_than_the_cpu_has():
 
 
 def test_cpu_info_follows_the_environment(monkeypatch):
-    for name in ("LOWBIT_CPU_ISA", "LOWBIT_CPU_BF16", "LOWBIT_CPU_INT8"):  # the suite may run forced
+    for name in ("LOWBIT_CPU_ISA", "LOWBIT_CPU_BF16", "LOWBIT_CPU_INT8", "ONEDNN_MAX_CPU_ISA"):  # may run forced
         monkeypatch.delenv(name, raising=False)
     native = cpu_info()
     monkeypatch.setenv("LOWBIT_CPU_ISA", "none")
     assert cpu_info().isa == "none" and cpu_info().native_isa == native.native_isa
     monkeypatch.delenv("LOWBIT_CPU_ISA")
     assert cpu_info() == native
+
+
+def test_a_onednn_cap_below_a_feature_makes_it_absent():
+    zen4 = ZEN4 | {"avx512_vnni"}
+    assert resolve(zen4, "x86_64", {}).int8_native
+    capped = resolve(zen4, "x86_64", {"ONEDNN_MAX_CPU_ISA": "avx2"})
+    assert not capped.bf16_native and not capped.int8_native and "ONEDNN_MAX_CPU_ISA=avx2" in capped.forced
+    vnni = resolve(zen4, "x86_64", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"})
+    assert vnni.int8_native and not vnni.bf16_native
+    for no_cap in ("ALL", "DEFAULT", ""):
+        info = resolve(zen4, "x86_64", {"ONEDNN_MAX_CPU_ISA": no_cap})
+        assert info.int8_native and info.bf16_native and info.forced == ""
