@@ -14,6 +14,7 @@ from typing import Callable
 
 from lowbit.calibrate.cache import cache_dir
 from lowbit.calibrate.models import BUILTIN_MODELS, materialize_builtin
+from lowbit.export.manifest import write_text_atomic
 
 CACHE_VERSION = 2  # bump when the way a baseline is measured changes
 FINGERPRINTED = (".safetensors", ".bin", ".json", ".gguf")  # weights, config, tokenizer
@@ -41,9 +42,7 @@ def file_sha256(path: Path) -> str:
     with path.open("rb") as f:
         while chunk := f.read(1 << 24):
             digest.update(chunk)
-    tmp = memo.with_suffix(".partial")
-    tmp.write_text(digest.hexdigest())
-    tmp.replace(memo)
+    write_text_atomic(memo, digest.hexdigest())
     return digest.hexdigest()
 
 
@@ -68,7 +67,5 @@ def cached_baseline(model_name: str, protocol, measure: Callable[[], dict]) -> d
     if path.exists():
         return {**json.loads(path.read_text()), "cached": True}
     result = measure()
-    tmp = path.with_suffix(".partial")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(result))
     return {**result, "cached": False}
