@@ -1,0 +1,82 @@
+"""Every shipped recipe, run on a tiny model, writes the checkpoint it wrote when it was pinned.
+
+A refactoring that keeps behaviour keeps these digests; a change that moves a single byte of any
+recipe's checkpoint (or its perplexity) shows up here and must be re-pinned on purpose:
+
+    LOWBIT_RECORD_PINS=1 pytest tests/test_recipe_pins.py
+
+Floating-point results depend on the CPU's kernels (bf16 forwards where bf16 is native, oneDNN's
+ISA, torch's vector width), so pins are kept per numeric environment; a machine whose
+environment has no pins says so and skips (record them there with the command above).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_models import save_tiny_llama
+from lowbit.calibrate.hardware import cpu_info
+from lowbit.recipes.cli import main
+from lowbit.recipes.schema import shipped_recipes
+
+PINS = Path(__file__).with_name("recipe_pins.json")
+RECORD = os.environ.get("LOWBIT_RECORD_PINS") == "1"
+UNHASHED = {"results.json", "report.html", "report.md", "manifest.json"}  # wall times, measured memory
+SMALL = ["calibration.samples=4", "calibration.seq_len=64",
+         "evaluate.baseline=false", "evaluate.kl.enabled=false", "evaluate.memory.measure_peak=false",
+         "evaluate.perplexity.max_tokens=256", "evaluate.perplexity.context_len=128",
+         "evaluate.perplexity.stride=128"]
+
+
+def environment() -> str:
+    """What decides the floating-point results: torch, the CPU paths cpu_info() picks, and the
+    ISA caps torch and oneDNN run under."""
+    info = cpu_info()
+    caps = "/".join(os.environ.get(k, "-") for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+    return (f"torch {torch.__version__}, {info.isa}, bf16 {'native' if info.bf16_native else 'emulated'}, "
+            f"int8 {'native' if info.int8_native else 'emulated'}, caps {caps}")
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file of the checkpoint but the timed ones (per file: a diff names the file)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+            for p in sorted(folder.iterdir()) if p.name not in UNHASHED}
+
+
+def run_recipe(name: str, model_dir: Path, out: Path, capsys) -> dict:
+    """The recipe's outcome: checkpoint digest and perplexity, or the error it stops with."""
+    code = main(["run", name, "--model", str(model_dir), "--output", str(out), *[f"--set={s}" for s in SMALL]])
+    err = capsys.readouterr().err
+    if code != 0:
+        return {"error": err.strip().splitlines()[-1]}
+    results = json.loads((out / "results.json").read_text())
+    return {"files": file_hashes(out), "perplexity": results["quality"]["perplexity"]}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def pins():
+    table = json.loads(PINS.read_text()) if PINS.is_file() else {}
+    yield table.setdefault(environment(), {})
+    if RECORD:
+        PINS.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
+@pytest.mark.parametrize("name", sorted(shipped_recipes()))
+def test_shipped_recipe_writes_its_pinned_checkpoint(name, model_dir, pins, tmp_path, capsys):
+    outcome = run_recipe(name, model_dir, tmp_path / name, capsys)
+    if RECORD:
+        pins[name] = outcome
+        return
+    if name not in pins:
+        pytest.skip(f"no pin for {name} in this environment ({environment()}); record with LOWBIT_RECORD_PINS=1")
+    assert outcome == pins[name]
