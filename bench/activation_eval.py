@@ -27,16 +27,19 @@ from lowbit.calibrate.hardware import cpu_info
 from lowbit.calibrate.models import load_model
 from lowbit.evaluate.config import PerplexityProtocol
 from lowbit.evaluate.perplexity import perplexity
-from lowbit.quantize import activation, fp8_step, input_quant, rtn
-from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.runtime import int8_inputs as activation
+from lowbit.quantize.steps import fp8 as fp8_step
+from lowbit.quantize.steps import int8_inputs as input_quant
+from lowbit.quantize.steps import rtn
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.steps.context import StepContext
 
 
 def quantized_twins(model) -> dict:
     """float32, W8A8 int8 (per-channel weights, per-token dynamic inputs) and FP8 dynamic."""
     int8, fp8 = copy.deepcopy(model), copy.deepcopy(model)
     ctx = StepContext(int8, arch_for(int8), ("lm_head",), lambda: None)
-    rtn.apply(ctx, IntScheme(8, strategy="channel"))
+    rtn.apply(ctx, rtn.RTNConfig(IntScheme(8, strategy="channel")))
     input_quant.apply(ctx, input_quant.InputQuantConfig())
     fp8_step.apply(StepContext(fp8, arch_for(fp8), ("lm_head",), lambda: None), fp8_step.FP8Config())
     return {"float32": model, "w8a8-int8": int8, "w8a8-fp8": fp8}

@@ -7,23 +7,24 @@ with `python bench/awq_layer_error.py` (lowbit installed)
 import copy
 
 import torch
+from lowbit.quantize.grids.integer import IntScheme
 from lowbit.calibrate.models import load_model
-from lowbit.calibrate.arch import arch_for, decoder_layers
+from lowbit.calibrate.arch import arch_for, decoder_layers, linear_weight
 from lowbit.calibrate.data import calibration_batches, CalibrationConfig
 from lowbit.calibrate.walker import capture_first_layer_inputs, layer_forward
-from lowbit.quantize import awq
-from lowbit.quantize.weight import quantize_rtn
-from lowbit.quantize.fold import weight_out_in
+from lowbit.quantize.steps import awq
+from lowbit.quantize.grids.quantized_weight import quantize_rtn
+
 torch.manual_seed(0)
 model, tok, _ = load_model("smollm2-135m")
 arch = arch_for(model)
 ids = calibration_batches(CalibrationConfig(samples=8, seq_len=512), tok)
 inputs = capture_first_layer_inputs(model, arch, ids)
-cfgs = {"scale+clip": awq.AWQConfig(group_size=64, grid=10, clip_grid=10, max_tokens=1024),
-        "scale only": awq.AWQConfig(group_size=64, grid=10, clip=False, max_tokens=1024)}
+cfgs = {"scale+clip": awq.AWQConfig(scheme=IntScheme(4, True, "group", 64), grid=10, clip_grid=10, max_tokens=1024),
+        "scale only": awq.AWQConfig(scheme=IntScheme(4, True, "group", 64), grid=10, clip=False, max_tokens=1024)}
 def rtn_layer(layer):
     for n in arch.linears:
-        w = weight_out_in(layer.get_submodule(n)); w.copy_(quantize_rtn(w, cfgs["scale only"].scheme).dequantize())
+        w = linear_weight(layer.get_submodule(n)); w.copy_(quantize_rtn(w, cfgs["scale only"].scheme).dequantize())
 for i in [0, 5, 15]:
     layer = decoder_layers(model, arch)[i]; inputs.use_layer(i)
     ref = layer_forward(layer, inputs)

@@ -17,13 +17,14 @@ import time
 
 import torch
 
+from lowbit.quantize.grids.integer import IntScheme
 from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.data import CalibrationConfig, calibration_batches
 from lowbit.calibrate.models import load_model
 from lowbit.evaluate.config import PerplexityProtocol
 from lowbit.evaluate.perplexity import perplexity
-from lowbit.quantize import gptq
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.steps import gptq
+from lowbit.quantize.steps.context import StepContext
 
 
 def parse_args(argv=None):
@@ -61,11 +62,7 @@ def main(argv=None) -> dict:
     calib = CalibrationConfig(dataset=args.dataset, samples=args.samples, seq_len=args.seq_len)
     batches = calibration_batches(calib, tokenizer)
     grouped = args.group_size > 0
-    cfg = gptq.GPTQConfig(bits=args.bits, strategy="group" if grouped else "channel",
-                          group_size=args.group_size if grouped else None,
-                          actorder=args.actorder, dampening_frac=args.dampening_frac,
-                          scale_search=args.scale_search, forward_dtype=args.forward_dtype,
-                          true_sequential=args.true_sequential)
+    cfg = gptq.GPTQConfig(scheme=IntScheme(args.bits, True, "group" if grouped else "channel", args.group_size if grouped else None), actorder=args.actorder, dampening_frac=args.dampening_frac, scale_search=args.scale_search, forward_dtype=args.forward_dtype, true_sequential=args.true_sequential)
     ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: batches)
     start, cpu_start = time.perf_counter(), cpu_seconds()
     detail = gptq.apply(ctx, cfg)

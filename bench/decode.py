@@ -33,9 +33,12 @@ from torch import nn
 from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.hardware import cpu_info
 from lowbit.evaluate.speed import decode_step_bytes
-from lowbit.quantize import backends, fp8_step, input_quant, rtn
-from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.runtime import backends
+from lowbit.quantize.steps import fp8 as fp8_step
+from lowbit.quantize.steps import int8_inputs as input_quant
+from lowbit.quantize.steps import rtn
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.steps.context import StepContext
 
 SCHEMES = {  # weights by RTN; w8a8 adds per-token INT8 inputs (torch._int_mm), fp8 is E4M3 W8A8
     "w8a16": IntScheme(8, True, "channel"),
@@ -144,7 +147,7 @@ def quantized_copy(model: nn.Module, name: str, ignore: tuple[str, ...], share: 
     widths = [m.in_features for m in twin.modules() if isinstance(m, nn.Linear)]
     if scheme.group_size and any(w % scheme.group_size for w in widths):
         scheme = IntScheme(scheme.bits, scheme.symmetric, "group", 64)  # smollm2: hidden 576
-    rtn.apply(ctx, scheme)
+    rtn.apply(ctx, rtn.RTNConfig(scheme))
     if name == "w8a8":
         input_quant.apply(ctx, input_quant.InputQuantConfig())
     return twin

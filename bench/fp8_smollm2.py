@@ -10,15 +10,16 @@ import time
 import torch
 from torch import nn
 
+from lowbit.quantize.grids.fp8 import FP8Scheme
 from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.data import CalibrationConfig, calibration_batches
 from lowbit.calibrate.models import load_model
 from lowbit.evaluate.baseline import cached_baseline
 from lowbit.evaluate.config import PerplexityProtocol
 from lowbit.evaluate.perplexity import perplexity
-from lowbit.quantize import fp8_step
-from lowbit.quantize.fp8 import dynamic_token_scale, fake_quantize_activation
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.steps import fp8 as fp8_step
+from lowbit.quantize.grids.fp8 import dynamic_token_scale, fake_quantize_activation
+from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.targets import replace_module, select_targets
 
 
@@ -53,8 +54,7 @@ def main():
         for name, module in select_targets(model, ctx.arch, ctx.ignore).linears.items():
             replace_module(model, name, FP8InputsOnly(module))
     else:
-        fp8_step.apply(ctx, fp8_step.FP8Config(weights=args.weights, activations=args.activations,
-                                               rounding=args.rounding))
+        fp8_step.apply(ctx, fp8_step.FP8Config(scheme=FP8Scheme(strategy=args.weights), activations=args.activations, rounding=args.rounding))
     quantize_s = time.time() - start
     ppl = perplexity(model, tok, protocol)["perplexity"]
     print(f"fp8 weights={args.weights} activations={args.activations} rounding={args.rounding}: "

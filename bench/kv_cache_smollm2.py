@@ -12,8 +12,9 @@ from lowbit.evaluate.baseline import cached_baseline
 from lowbit.evaluate.config import PerplexityProtocol
 from lowbit.evaluate.kv_cache import measure_kv_cache
 from lowbit.evaluate.perplexity import eval_tokens, perplexity
-from lowbit.quantize import kv_cache
-from lowbit.quantize.kv_quant import KVCacheConfig
+from lowbit.quantize.runtime import kv_cache
+from lowbit.quantize.steps import kv_cache as kv_cache_step
+from lowbit.quantize.grids.kv import KVCacheConfig
 
 model, tok, _ = load_model("smollm2-135m")
 proto = PerplexityProtocol()
@@ -26,7 +27,7 @@ print(json.dumps({"float": measure_kv_cache(model, prompt)}), flush=True)
 for spec in sys.argv[2:]:
     scheme, strategy = spec.split("/")
     cfg = KVCacheConfig(scheme, strategy)
-    kv_cache.set_scales(attns, stats, cfg)
+    kv_cache_step.set_scales(attns, stats, cfg)
     kv_cache.attach(model, cfg)
     mem = measure_kv_cache(model, prompt)
     t = time.time(); p = perplexity(model, tok, proto)["perplexity"]

@@ -8,6 +8,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Optional
 
+import torch
 from torch import nn
 
 
@@ -105,6 +106,16 @@ ARCHS: dict[str, Arch] = {
 
 def is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def linear_weight(module: nn.Module) -> torch.Tensor:
+    """The (out, in) weight of an nn.Linear, or a view of a GPT-2 Conv1D's (stored (in, out)):
+    writing into it writes the module's weight."""
+    if isinstance(module, nn.Linear):
+        return module.weight.data
+    if type(module).__name__ == "Conv1D":
+        return module.weight.data.t()
+    raise TypeError(f"{type(module).__name__} is not a linear layer")
 
 
 def arch_for(model: nn.Module, allow_fallback: bool = True) -> Arch:

@@ -5,13 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.quantize import kv_cache
+from lowbit.quantize.runtime import kv_cache
 
 from .config import PerplexityProtocol
 from .perplexity import perplexity
-
-BYTES_PER_ELEMENT = {"int8": 1.0, "fp8": 1.0, "int4": 0.5}
-
 
 def kv_bytes_per_token_formula(config, bytes_per_element: float) -> float:
     """2 (K and V) x layers x kv_heads x head_dim x bytes: the codes alone, scales not counted."""
@@ -47,10 +44,10 @@ def measure_kv_cache(model: nn.Module, prompt_ids: torch.Tensor, decode_steps: i
     measured = cache_nbytes(cache)
     bytes_16bit = kv_bytes_per_token_formula(model.config, 2) * tokens
     cfg = getattr(model, "lowbit_kv_cache", None)
-    formula = kv_bytes_per_token_formula(model.config, BYTES_PER_ELEMENT[cfg.scheme]) if cfg else None
+    formula = kv_bytes_per_token_formula(model.config, cfg.bytes_per_element) if cfg else None
     return {
         "cache": type(cache).__name__,
-        "scheme": None if cfg is None else f"{cfg.scheme}/{cfg.strategy}",
+        "scheme": None if cfg is None else f"{cfg.format}/{cfg.strategy}",
         "tokens": tokens,
         "bytes_measured": measured,
         "bytes_per_token_measured": measured / tokens,
@@ -75,5 +72,5 @@ def kv_perplexity_effect(model: nn.Module, tokenizer, protocol: PerplexityProtoc
         float_kv = perplexity(model, tokenizer, protocol)["perplexity"]
     finally:
         kv_cache.attach(model, cfg)
-    return {"scheme": f"{cfg.scheme}/{cfg.strategy}", "perplexity_float_kv": float_kv,
+    return {"scheme": f"{cfg.format}/{cfg.strategy}", "perplexity_float_kv": float_kv,
             "perplexity_quantized_kv": quantized, "kv_effect_pct": 100 * (quantized / float_kv - 1)}

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from lowbit.quantize.qlinear import QuantLinear
+from lowbit.quantize.runtime.qlinear import QuantLinear
 
 
 def model_weight_bytes(model: nn.Module, bytes_per_param: float | None = None) -> int:

@@ -14,7 +14,7 @@ from collections import Counter
 import torch
 
 from lowbit.calibrate.hardware import cpu_info
-from lowbit.quantize.backends import prepare
+from lowbit.quantize.runtime.backends import prepare
 
 from .config import SpeedConfig
 from .memory import ModelShape, kv_cache_bytes, packed_tensor_bytes

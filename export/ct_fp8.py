@@ -47,7 +47,7 @@ def module_tensors(prefix: str, module, dtype: torch.dtype) -> dict[str, torch.T
 
 
 def build_module(prefix: str, tensors: dict[str, torch.Tensor], group: dict):
-    from lowbit.quantize.fp8_linear import FP8Linear  # present where the FP8 scheme is
+    from lowbit.quantize.runtime.fp8_linear import FP8Linear  # present where the FP8 scheme is
 
     weights, inputs = group["weights"], group.get("input_activations")
     strategy = weights.get("strategy")

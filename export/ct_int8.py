@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.quantize.activation import InputQuant
-from lowbit.quantize.qlinear import QuantLinear
+from lowbit.quantize.grids.inputs import InputQuant
+from lowbit.quantize.runtime.qlinear import QuantLinear
 
 from .ct_packed import scheme_from_args
 

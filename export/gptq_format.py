@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.quantize.primitives import IntScheme, pack_codes, unpack_codes
-from lowbit.quantize.qlinear import QuantLinear
+from lowbit.quantize.grids.integer import IntScheme, pack_codes, unpack_codes
+from lowbit.quantize.runtime.qlinear import QuantLinear
 
 from .ct_packed import is_plain_grouping
 

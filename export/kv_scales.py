@@ -4,8 +4,6 @@ the config.json key `lowbit_kv_cache`, so lowbit's reader re-attaches the same q
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
@@ -19,9 +17,9 @@ def kv_config(model: nn.Module):
 def kv_cache_scheme(cfg) -> dict:
     """compressed-tensors QuantizationArgs for the cache (static strategies carry scales)."""
     strategy = {"tensor": "tensor", "head": "attn_head", "token": "token"}[cfg.strategy]
-    return {"num_bits": 4 if cfg.scheme == "int4" else 8, "type": "float" if cfg.scheme == "fp8" else "int",
-            "symmetric": cfg.scheme != "int4", "strategy": strategy, "dynamic": not cfg.static,
-            "group_size": cfg.group_size if cfg.scheme == "int4" else None}
+    return {"num_bits": 4 if cfg.format == "int4" else 8, "type": "float" if cfg.format == "fp8" else "int",
+            "symmetric": cfg.format != "int4", "strategy": strategy, "dynamic": not cfg.static,
+            "group_size": cfg.group_size if cfg.format == "int4" else None}
 
 
 def scale_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -36,20 +34,20 @@ def scale_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tenso
 
 
 def add_to_config(config: dict, cfg) -> None:
-    config[KEY] = dataclasses.asdict(cfg)
+    config[KEY] = cfg.to_file()
     if "quantization_config" in config:
         config["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme(cfg)
 
 
 def restore(model: nn.Module, config_dict: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Put k_scale/v_scale back on the attention modules and re-attach the quantized cache."""
-    from lowbit.quantize.kv_cache import attach
-    from lowbit.quantize.kv_quant import KVCacheConfig
+    from lowbit.quantize.runtime.kv_cache import attach
+    from lowbit.quantize.grids.kv import KVCacheConfig
 
     saved = config_dict.get(KEY)
     if not saved:
         return
-    cfg = KVCacheConfig(**saved)
+    cfg = KVCacheConfig.from_file(saved)
     for key in [k for k in tensors if k.endswith((".k_scale", ".v_scale"))]:
         owner, _, attr = key.rpartition(".")
         value = tensors.pop(key).float()

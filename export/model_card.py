@@ -46,9 +46,17 @@ def _scheme(recipe: dict) -> str:
     parts = []
     for step in steps:
         for name, options in step.items():
-            opts = ", ".join(f"{k}={v}" for k, v in (options or {}).items() if v is not None)
+            opts = ", ".join(f"{k}={v}" for k, v in _flat(options or {}).items() if v is not None)
             parts.append(f"{name} ({opts})" if opts else name)
     return "; ".join(parts) or "none (float export)"
+
+
+def _flat(options: dict) -> dict:
+    """A step's options with its weight grid's (a nested `scheme`) inlined, in order."""
+    out = {}
+    for key, value in options.items():
+        out.update(value if isinstance(value, dict) else {key: value})
+    return out
 
 
 def _format(qconfig: dict) -> str:

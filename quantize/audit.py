@@ -9,21 +9,20 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import nn
 
 from lowbit.calibrate.arch import Arch, arch_for, is_linear, target_linears
 
-from .activation import InputQuant
-from .fp8_linear import FP8Linear
-from .fp8_step import FP8Config
-from .kv_cache import SCALE_NAMES, attention_modules
-from .kv_quant import KVCacheConfig
-from .primitives import IntScheme
-from .qlinear import QuantLinear
-from .targets import is_ignored
+from lowbit.quantize.runtime.fp8_linear import FP8Linear
+from lowbit.quantize.runtime.kv_cache import SCALE_NAMES, attention_modules
+from lowbit.quantize.grids.kv import KVCacheConfig
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.linear import LinearScheme
+from lowbit.quantize.runtime.qlinear import QuantLinear
+from lowbit.quantize.targets import is_ignored
 
 MAX_LISTED = 10  # problems quoted in the error message; the report keeps all of them
 
@@ -32,34 +31,8 @@ class AuditError(ValueError):
     """A quantized model that does not hold what its recipe asked for."""
 
 
-@dataclass(frozen=True)
-class LinearScheme:
-    """What one targeted linear should be once every step has run."""
-
-    weights: Union[IntScheme, FP8Config]
-    inputs: Optional[InputQuant] = None  # integer weights only; None: inputs stay float
-
-    def describe(self) -> str:
-        return describe_int(self.weights, self.inputs) if isinstance(self.weights, IntScheme) \
-            else describe_fp8(self.weights.format, self.weights.weights, self.weights.activations)
-
-
-def describe_int(s: IntScheme, inputs: Optional[InputQuant] = None) -> str:
-    group = f" {s.group_size}" if s.group_size else ""
-    act = "" if inputs is None else f" + int{inputs.bits} {'per-token' if inputs.dynamic else 'static'} inputs"
-    return f"int{s.bits} {'sym' if s.symmetric else 'asym'} {s.strategy}{group}{act}"
-
-
-def describe_fp8(fmt: str, weights: str, activations: str) -> str:
-    return f"fp8 {fmt} {weights}, activations {activations}"
-
-
 def describe_module(module: nn.Module) -> str:
-    if isinstance(module, QuantLinear):
-        return describe_int(module.scheme, module.input_quant)
-    if isinstance(module, FP8Linear):
-        return describe_fp8(module.fmt, module.weight_strategy, module.activations)
-    return f"float {type(module).__name__}"
+    return module.linear_scheme().describe() if is_quantized_linear(module) else f"float {type(module).__name__}"
 
 
 def is_quantized_linear(module: nn.Module) -> bool:
@@ -149,7 +122,7 @@ def check_linear(name: str, module: nn.Module, scheme: LinearScheme,
         return _check_int(name, module, scheme, storage_dtype)
     if not isinstance(module, FP8Linear):
         return [f"{name}: is {describe_module(module)}, the recipe asks for {expected}"]
-    return _check_fp8(name, module, scheme.weights, storage_dtype)
+    return _check_fp8(name, module, scheme, storage_dtype)
 
 
 def _check_int(name: str, m: QuantLinear, scheme: LinearScheme, storage_dtype) -> list[str]:
@@ -174,17 +147,16 @@ def _check_int(name: str, m: QuantLinear, scheme: LinearScheme, storage_dtype) -
     return problems
 
 
-def _check_fp8(name: str, m: FP8Linear, cfg: FP8Config, storage_dtype) -> list[str]:
-    want = (cfg.format, cfg.weights, cfg.activations, cfg.block_size if cfg.weights == "block" else None)
-    have = (m.fmt, m.weight_strategy, m.activations, m.block_size if m.weight_strategy == "block" else None)
-    if want != have:
-        return [f"{name}: quantized as {describe_module(m)}, the recipe asks for "
-                f"{describe_fp8(cfg.format, cfg.weights, cfg.activations)}"]
+def _check_fp8(name: str, m: FP8Linear, scheme: LinearScheme, storage_dtype) -> list[str]:
+    want, have = scheme.weights, m.linear_scheme().weights
+    if (want.format, want.strategy, scheme.inputs) != (have.format, have.strategy, m.activations) or \
+            (want.strategy == "block" and want.block_size != have.block_size):
+        return [f"{name}: quantized as {describe_module(m)}, the recipe asks for {scheme.describe()}"]
     problems = scale_problems(f"{name}.weight_scale", m.weight_scale, storage_dtype)
     nan = int(torch.isnan(m.weight.float()).sum())
     if nan:
         problems.append(f"{name}.weight: {nan} NaN of {m.weight.numel()} FP8 values")
-    if cfg.activations == "static":
+    if scheme.inputs == "static":
         problems += _static_input_problems(name, m.input_scale, storage_dtype)
     return problems
 
@@ -233,8 +205,8 @@ def check_kv(model: nn.Module, kv: Optional[KVCacheConfig], arch: Optional[Arch]
     """(description, problems) of the KV-cache scales on every attention layer."""
     have = getattr(model, "lowbit_kv_cache", None)
     if kv is None:
-        return f"{have.scheme} {have.strategy}", [f"model: KV cache quantized ({have}) but no step asks for it"]
-    described = f"{kv.scheme} {kv.strategy}"
+        return f"{have.format} {have.strategy}", [f"model: KV cache quantized ({have}) but no step asks for it"]
+    described = f"{kv.format} {kv.strategy}"
     if have is None:
         return described, [f"model: no quantized KV cache attached, the recipe asks for {kv}"]
     if have != kv:

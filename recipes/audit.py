@@ -17,16 +17,12 @@ from torch import nn
 
 from lowbit.calibrate.arch import Arch, arch_for, is_linear
 from lowbit.export import checkpoint, kv_scales
-from lowbit.quantize.activation import InputQuant
-from lowbit.quantize.audit import (AuditReport, LinearScheme, audit_model, damping_notes, is_quantized_linear,
+from lowbit.quantize.grids.linear import LinearScheme
+from lowbit.quantize.steps.registry import STEPS
+from lowbit.quantize.audit import (AuditReport, audit_model, damping_notes, is_quantized_linear,
                                    planned_targets)
-from lowbit.quantize.fp8_linear import FP8Linear
-from lowbit.quantize.fp8_step import FP8Config
-from lowbit.quantize.gptq import GPTQConfig
-from lowbit.quantize.input_quant import InputQuantConfig
-from lowbit.quantize.kv_quant import KVCacheConfig
-from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.qlinear import QuantLinear
+from lowbit.quantize.grids.kv import KVCacheConfig
+from lowbit.quantize.grids.integer import IntScheme
 
 from .schema import Recipe, parse_recipe
 
@@ -35,36 +31,27 @@ RECIPE_FILE, RESULTS_FILE = "recipe.yaml", "results.json"
 
 def expected_schemes(recipe: Recipe, model: nn.Module, arch: Arch):
     """(name -> LinearScheme, ignored name -> reason, KV config or None) that the recipe's steps
-    should leave: the first weight step quantizes every targeted linear (later ones find them
-    already quantized, as select_targets skips them), quantize_inputs adds int8 inputs to the
-    integer ones, kv_cache sets the KV scheme; awq and smoothquant only fold scales."""
+    should leave, as each step's spec says: the first step that writes weights quantizes every
+    targeted linear (later ones find them already quantized, as select_targets skips them), a step
+    that adds inputs adds them to the integer ones, a KV step sets the KV format; steps that only
+    fold scales (awq, smoothquant) say nothing."""
     targeted, ignored = planned_targets(model, arch, recipe.ignore)
     expected: dict[str, LinearScheme] = {}
     kv: Optional[KVCacheConfig] = None
     for step in recipe.steps:
-        cfg = step.config
-        weights = weight_scheme(cfg)
-        if weights is not None:
+        spec = STEPS[step.name]
+        writes, inputs = spec.writes(step.config), spec.adds_inputs(step.config)
+        if writes is not None:
             for name in targeted:
-                expected.setdefault(name, LinearScheme(weights))
-        elif isinstance(cfg, InputQuantConfig):
-            inputs = InputQuant(cfg.bits, cfg.dynamic)
+                expected.setdefault(name, writes)
+        if inputs is not None:
             expected = {n: LinearScheme(s.weights, inputs) if isinstance(s.weights, IntScheme) else s
                         for n, s in expected.items()}
-        elif isinstance(cfg, KVCacheConfig):
-            kv = cfg
+        kv = spec.kv_cache(step.config) or kv
     for name in targeted:
         if name not in expected:
             ignored[name] = "no weight step in the recipe quantizes it"
     return expected, ignored, kv
-
-
-def weight_scheme(cfg) -> Optional[IntScheme | FP8Config]:
-    """The weight grid a step's config quantizes to; None for steps that quantize no weights
-    (awq and smoothquant carry a grid too, but only to search their scales)."""
-    if isinstance(cfg, GPTQConfig):
-        return cfg.scheme
-    return cfg if isinstance(cfg, (IntScheme, FP8Config)) else None  # rtn's config is the IntScheme
 
 
 def audit_run(model: nn.Module, recipe: Recipe, arch: Arch, steps: list[dict]) -> AuditReport:
@@ -97,7 +84,7 @@ def audit_checkpoint(folder: str | Path) -> AuditReport:
         config = json.loads((folder / checkpoint.CONFIG).read_text(encoding="utf-8"))
         expected, ignored, extra = schemes_from_config(model, config.get("quantization_config") or {})
         saved = config.get(kv_scales.KEY)
-        kv = KVCacheConfig(**saved) if saved else None
+        kv = KVCacheConfig.from_file(saved) if saved else None
     report = audit_model(model, expected, ignored, kv, arch, damping=tuple(damping_notes(steps)))
     report.problems += extra
     return report
@@ -116,7 +103,7 @@ def schemes_from_config(model: nn.Module, qconfig: dict):
     """Without a recipe: each quantized module is expected to be what it is (its scales are still
     checked); a float linear must be in quantization_config.ignore when a config group targets it.
     Returns (expected, ignored, problems)."""
-    expected = {n: own_scheme(m) for n, m in model.named_modules() if is_quantized_linear(m)}
+    expected = {n: m.linear_scheme() for n, m in model.named_modules() if is_quantized_linear(m)}
     ignored, problems = {}, []
     patterns = qconfig.get("ignore") or []
     targets = [t for g in (qconfig.get("config_groups") or {}).values() for t in g.get("targets") or []]
@@ -130,15 +117,6 @@ def schemes_from_config(model: nn.Module, qconfig: dict):
         else:
             ignored[name] = "not targeted by quantization_config"
     return expected, ignored, problems
-
-
-def own_scheme(module: nn.Module) -> LinearScheme:
-    if isinstance(module, QuantLinear):
-        return LinearScheme(module.scheme, module.input_quant)
-    if not isinstance(module, FP8Linear):
-        raise TypeError(f"{type(module).__name__} is not a quantized linear")
-    return LinearScheme(FP8Config(format=module.fmt, weights=module.weight_strategy, block_size=module.block_size,
-                                  activations=module.activations))
 
 
 def _matches(name: str, module: nn.Module, target: str) -> bool:

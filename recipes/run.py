@@ -24,14 +24,14 @@ from lowbit.export import checkpoint
 from lowbit.export.files import out_of_space_names
 from lowbit.export.manifest import write_text_atomic
 from lowbit.export.model_card import write_model_card
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.steps.context import StepContext
 
 from .audit import audit_run
 from .lock import output_lock
 from .preflight import preflight
 from .resume import RunProgress
 from .schema import Recipe
-from .steps import STEPS
+from lowbit.quantize.steps.registry import STEPS
 
 
 def timer(seconds: dict):

@@ -1,6 +1,7 @@
 """The recipe: what a run does, validated on load (unknown keys, types, step names)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,8 @@ from lowbit.evaluate.config import EvaluateConfig
 from lowbit.export.checkpoint import check_plain_name
 from lowbit.export.config import ExportConfig
 
-from .steps import STEPS
+from lowbit.quantize.grids.linear import LinearScheme, describe_int
+from lowbit.quantize.steps.registry import STEPS
 from .validate import RecipeError, build, to_plain
 
 SHIPPED_DIR = Path(__file__).parent
@@ -33,6 +35,9 @@ class Recipe:
     trust_remote_code: bool = False  # never on unless a recipe or flag asks for it
     allow_pickle: bool = False  # *.bin weights, via torch.load(weights_only=True); else safetensors only
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    # the weight grid of every step with a `scheme` option (a step's own scheme keys override it):
+    # set once where steps share it (awq's search and the gptq/rtn step after it)
+    scheme: Optional[dict[str, Any]] = None
     steps: tuple[Step, ...] = ()
     ignore: tuple[str, ...] = ("lm_head",)  # module names, trailing paths or re:REGEX
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -94,7 +99,8 @@ def parse_recipe(data: dict, source: str) -> Recipe:
     _check_strings(recipe, source)
     if not isinstance(steps_data, list):
         raise RecipeError(source, "steps", "expected a list of steps such as '- rtn: {bits: 4}'")
-    steps = tuple(parse_step(item, source, f"steps[{i}]") for i, item in enumerate(steps_data))
+    steps = tuple(parse_step(item, source, f"steps[{i}]", recipe.scheme) for i, item in enumerate(steps_data))
+    check_search_grids(steps, source)
     return Recipe(**{**recipe.__dict__, "steps": steps})
 
 
@@ -113,15 +119,46 @@ def _check_strings(recipe: Recipe, source: str) -> None:
             raise RecipeError(source, f"ignore[{i}]", f"{pattern!r} is not a valid regular expression: {err}") from None
 
 
-def parse_step(item, source: str, key: str) -> Step:
+def parse_step(item, source: str, key: str, shared_scheme: Optional[dict] = None) -> Step:
     if isinstance(item, str):
         item = {item: None}
     if not isinstance(item, dict) or len(item) != 1:
-        raise RecipeError(source, key, "each step is one name with its options, e.g. '- rtn: {bits: 4}'")
+        raise RecipeError(source, key, "each step is one name with its options, e.g. '- rtn: {scheme: {bits: 4}}'")
     (name, options), = item.items()
     if name not in STEPS:
         raise RecipeError(source, f"{key}.{name}", f"unknown step; valid steps: {sorted(STEPS)}")
-    return Step(name, build(STEPS[name].config, options, source, f"{key}.{name}"))
+    config = STEPS[name].config
+    takes_scheme = "scheme" in {f.name for f in dataclasses.fields(config)}
+    if shared_scheme is None or not takes_scheme:
+        return Step(name, build(config, options, source, f"{key}.{name}"))
+    own = (options or {}).get("scheme") if isinstance(options, dict) else None
+    if own is not None and not isinstance(own, dict):
+        return Step(name, build(config, options, source, f"{key}.{name}"))  # reports the bad value
+    merged = {**(options or {}), "scheme": {**shared_scheme, **(own or {})}}  # the step's keys win
+    try:
+        return Step(name, build(config, merged, source, f"{key}.{name}"))
+    except RecipeError as err:
+        if own is not None or not err.key.startswith(f"{key}.{name}.scheme"):
+            raise
+        raise RecipeError(source, "scheme", f"{key} ({name}) cannot take the recipe's scheme: "
+                          f"{str(err).split(': ', 2)[-1]}; give that step its own scheme") from None
+
+
+def check_search_grids(steps: tuple[Step, ...], source: str) -> None:
+    """A scale search (awq, smoothquant's alpha grid) tunes for the grid of the weight step after
+    it: a different grid there would quantize with scales searched for another one."""
+    for i, step in enumerate(steps):
+        searched = STEPS[step.name].searches(step.config)
+        later = [(j, s) for j, s in enumerate(steps) if j > i and STEPS[s.name].writes(s.config) is not None]
+        if searched is None or not later:
+            continue
+        j, writer = later[0]
+        written = STEPS[writer.name].writes(writer.config).weights
+        if written != searched:
+            raise RecipeError(source, f"steps[{i}].{step.name}.scheme",
+                              f"searches scales for {describe_int(searched)}, but steps[{j}].{writer.name} "
+                              f"quantizes to {LinearScheme(written).describe()}; set one scheme at the "
+                              "recipe's top level for both")
 
 
 def apply_override(data: dict, item: str, source: str) -> None:
@@ -145,7 +182,10 @@ def apply_override(data: dict, item: str, source: str) -> None:
 
 def _descend(node, key: str, next_key: str, source: str, where: str):
     if isinstance(node, list):
-        return node[_index(node, key, where)]
+        i = _index(node, key, where)
+        if isinstance(node[i], str):  # a step listed by name alone (`- rtn`): give it options to set
+            node[i] = {node[i]: {}}
+        return node[i]
     if not isinstance(node, dict):
         raise RecipeError(source, where, f"cannot set a key inside {type(node).__name__}")
     if node.get(key) is None:

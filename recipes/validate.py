@@ -26,13 +26,22 @@ def build(cls, data: Any, source: str, key: str = ""):
     unknown = sorted(set(map(str, data)) - set(fields))
     if unknown:
         raise RecipeError(source, _join(key, unknown[0]),
-                          f"unknown key; valid keys here: {sorted(fields)}")
+                          f"unknown key;{_grid_hint(cls, unknown)} valid keys here: {sorted(fields)}")
     hints = typing.get_type_hints(cls)
     values = {name: convert(hints[name], value, source, _join(key, name)) for name, value in data.items()}
     try:
         return cls(**values)
     except (ValueError, TypeError) as err:
         raise RecipeError(source, key or "(top level)", str(err)) from None
+
+
+def _grid_hint(cls, unknown: list[str]) -> str:
+    """Recipes written before the weight grid became one `scheme:` object put its keys on the step."""
+    grid = typing.get_type_hints(cls).get("scheme")
+    if not dataclasses.is_dataclass(grid):
+        return ""
+    moved = [k for k in unknown if k in {f.name for f in dataclasses.fields(grid)}]
+    return f" the weight grid's options ({', '.join(moved)}) go under scheme: (in the step, or once at the recipe's top level);" if moved else ""
 
 
 def convert(hint, value, source: str, key: str):

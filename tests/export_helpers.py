@@ -6,20 +6,20 @@ from unittest import mock
 import torch
 
 from tiny_models import make_tiny_model
-from lowbit.calibrate.arch import arch_for
+from lowbit.calibrate.arch import arch_for, linear_weight
 from lowbit.export import checkpoint
-from lowbit.quantize import rtn
-from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.qlinear import QuantLinear, linear_weight
-from lowbit.quantize.step import StepContext
-from lowbit.quantize.weight import quantize_rtn
+from lowbit.quantize.steps import rtn
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.runtime.qlinear import QuantLinear
+from lowbit.quantize.steps.context import StepContext
+from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
 W4_GROUP = IntScheme(bits=4, symmetric=True, strategy="group", group_size=32)
 
 
 def quantized_tiny(scheme: IntScheme = W4_GROUP, model_type: str = "llama"):
     model = make_tiny_model(model_type)
-    rtn.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: None), scheme)
+    rtn.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: None), rtn.RTNConfig(scheme))
     return model
 
 

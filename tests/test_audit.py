@@ -10,9 +10,9 @@ from torch import nn
 
 from tiny_models import make_tiny_model, save_tiny_llama
 from lowbit.calibrate.arch import arch_for
-from lowbit.quantize import rtn
+from lowbit.quantize.steps import rtn
 from lowbit.quantize.audit import AuditError, audit_model
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.steps.context import StepContext
 from lowbit.recipes.audit import audit_run, expected_schemes
 from lowbit.recipes.cli import main
 from lowbit.recipes.schema import parse_recipe
@@ -31,7 +31,7 @@ def recipe(*steps, ignore=("lm_head",)):
 
 def quantized(r, model=None):
     """Apply the recipe's steps to a tiny llama, calibrating on random tokens."""
-    from lowbit.recipes.steps import STEPS
+    from lowbit.quantize.steps.registry import STEPS
 
     model = model or make_tiny_model("llama")
     ids = torch.randint(3, 500, (4, 32), generator=torch.Generator().manual_seed(0))
@@ -46,7 +46,7 @@ def audit(model, r, steps=()):
 
 @pytest.fixture(scope="module")
 def w4():
-    r = recipe({"rtn": W4})
+    r = recipe({"rtn": {"scheme": W4}})
     return r, quantized(r)[0]
 
 
@@ -92,7 +92,7 @@ def test_scale_that_underflows_in_the_export_dtype_fails(w4):
 
 
 def test_targeted_linear_left_float_fails():
-    r = recipe({"rtn": W4})
+    r = recipe({"rtn": {"scheme": W4}})
     model, _ = quantized(r)
     model.set_submodule(DOWN, nn.Linear(256, 128, bias=False))
     report = audit(model, r)
@@ -102,19 +102,19 @@ def test_targeted_linear_left_float_fails():
 
 def test_linear_quantized_with_another_scheme_fails(w4):
     _, model = w4
-    report = audit(model, recipe({"rtn": {**W4, "bits": 8}}))
+    report = audit(model, recipe({"rtn": {"scheme": {**W4, "bits": 8}}}))
     assert len(report.problems) == 14
     assert any(p.startswith(f"{DOWN}: quantized as int4") and "int8" in p for p in report.problems)
 
 
 def test_ignored_linear_that_was_quantized_fails():
-    model, _ = quantized(recipe({"rtn": W4}, ignore=()))  # lm_head quantized too
-    report = audit(model, recipe({"rtn": W4}))  # ... although the recipe ignores it
+    model, _ = quantized(recipe({"rtn": {"scheme": W4}}, ignore=()))  # lm_head quantized too
+    report = audit(model, recipe({"rtn": {"scheme": W4}}))  # ... although the recipe ignores it
     assert len(report.problems) == 1 and report.problems[0].startswith("lm_head: quantized")
 
 
 def test_zero_point_outside_the_code_range_fails():
-    r = recipe({"rtn": {**W4, "symmetric": False}})
+    r = recipe({"rtn": {"scheme": {**W4, "symmetric": False}}})
     model, _ = quantized(r)
     assert audit(model, r).passed
     model.get_submodule(DOWN).weight_zero[0, 0] = 9  # int4 codes run -8..7
@@ -134,7 +134,7 @@ def test_codes_outside_the_grid_fail(w4):
 
 
 def test_missing_or_zero_kv_scale_fails_naming_the_layer():
-    r = recipe({"rtn": W4}, {"kv_cache": {"scheme": "int8", "strategy": "head"}})
+    r = recipe({"rtn": {"scheme": W4}}, {"kv_cache": {"format": "int8", "strategy": "head"}})
     model, _ = quantized(r)
     report = audit(model, r)
     assert report.passed and report.kv == "int8 head"
@@ -149,14 +149,14 @@ def test_missing_or_zero_kv_scale_fails_naming_the_layer():
 
 
 def test_kv_cache_missing_altogether_fails():
-    r = recipe({"rtn": W4}, {"kv_cache": {"scheme": "fp8", "strategy": "tensor"}})
-    model, _ = quantized(recipe({"rtn": W4}))  # the kv_cache step never ran
+    r = recipe({"rtn": {"scheme": W4}}, {"kv_cache": {"format": "fp8", "strategy": "tensor"}})
+    model, _ = quantized(recipe({"rtn": {"scheme": W4}}))  # the kv_cache step never ran
     report = audit(model, r)
     assert len(report.problems) == 1 and "no quantized KV cache attached" in report.problems[0]
 
 
 def test_w8a8_static_inputs_are_checked():
-    r = recipe({"rtn": {"bits": 8, "strategy": "channel"}}, {"quantize_inputs": {"dynamic": False}})
+    r = recipe({"rtn": {"scheme": {"bits": 8, "strategy": "channel"}}}, {"quantize_inputs": {"dynamic": False}})
     model, _ = quantized(r)
     report = audit(model, r)
     assert report.passed and report.counts() == {"int8 sym channel + int8 static inputs": 14}
@@ -165,22 +165,23 @@ def test_w8a8_static_inputs_are_checked():
 
 
 def test_fp8_is_checked():
-    r = recipe({"fp8": {"weights": "channel", "activations": "dynamic"}})
+    r = recipe({"fp8": {"scheme": {"strategy": "channel"}, "activations": "dynamic"}})
     model, _ = quantized(r)
     assert audit(model, r).counts() == {"fp8 e4m3 channel, activations dynamic": 14}
     model.get_submodule(DOWN).weight_scale[0, 0] = 0.0
     assert audit(model, r).problems == [f"{DOWN}.weight_scale: 1 zero of 128 values"]
-    assert audit(model, recipe({"fp8": {"weights": "tensor"}})).problems[0].startswith(
+    assert audit(model, recipe({"fp8": {"scheme": {"strategy": "tensor"}}})).problems[0].startswith(
         "model.layers.0.self_attn.q_proj: quantized as fp8 e4m3 channel")
 
 
 def test_smoothing_steps_expect_nothing_and_the_weight_step_decides():
     model = make_tiny_model("llama")
-    r = recipe({"awq": {"bits": 4, "group_size": 32}}, {"gptq": {"bits": 4, "group_size": 64}})
+    g64 = {"bits": 4, "strategy": "group", "group_size": 64}
+    r = recipe({"awq": {"scheme": g64}}, {"gptq": {"scheme": g64}})
     expected, ignored, kv = expected_schemes(r, model, arch_for(model))
     assert {s.describe() for s in expected.values()} == {"int4 sym group 64"} and len(expected) == 14
     assert list(ignored) == ["lm_head"] and kv is None
-    _, ignored, _ = expected_schemes(recipe({"awq": {"bits": 4}}), model, arch_for(model))
+    _, ignored, _ = expected_schemes(recipe({"awq": {"scheme": {"bits": 4, "strategy": "group", "group_size": 32}}}), model, arch_for(model))
     assert ignored[DOWN] == "no weight step in the recipe quantizes it"
 
 
@@ -193,17 +194,17 @@ def test_damping_retries_are_named(w4):
 
 
 def test_gptq_layers_that_needed_extra_damping_are_named(monkeypatch):
-    from lowbit.quantize import gptq
+    from lowbit.quantize.steps import gptq_solver
 
-    real, calls = gptq.inverse_hessian_factor, []
+    real, calls = gptq_solver.inverse_hessian_factor, []
 
     def retried_once_for_the_third_hessian(H, frac):
         calls.append(H.shape)
         U, used, retries = real(H, frac)
         return (U, used * 10, retries + 1) if len(calls) == 3 else (U, used, retries)
 
-    monkeypatch.setattr(gptq, "inverse_hessian_factor", retried_once_for_the_third_hessian)
-    r = recipe({"gptq": {"bits": 4, "group_size": 32, "dampening_frac": 0.01}})
+    monkeypatch.setattr(gptq_solver, "inverse_hessian_factor", retried_once_for_the_third_hessian)
+    r = recipe({"gptq": {"scheme": {"bits": 4, "strategy": "group", "group_size": 32}, "dampening_frac": 0.01}})
     model, steps = quantized(r)
     report = audit(model, r, steps)
     # layer 0's hessians: [q,k,v] (shared), [o], [gate,up] (shared): the third is gate/up's
@@ -220,7 +221,7 @@ def run_dir(tmp_path_factory):
     model_dir = save_tiny_llama(root / "tiny")
     out = root / "run"
     assert main(["run", "w4a16-rtn", "--model", str(model_dir), "--output", str(out),
-                 "--set", "steps.0.rtn.group_size=32", *QUICK]) == 0
+                 "--set", "scheme.group_size=32", *QUICK]) == 0
     return model_dir, out
 
 
@@ -265,7 +266,7 @@ def test_cli_audit_bad_input_exits_2(run_dir, tmp_path, capsys):
     assert "not a checkpoint folder" in capsys.readouterr().err
     bad = tmp_path / "bad"
     shutil.copytree(run_dir[1], bad)
-    (bad / "recipe.yaml").write_text("steps: [{rtn: {bits: 99}}]\n")
+    (bad / "recipe.yaml").write_text("steps: [{rtn: {scheme: {bits: 99}}}]\n")
     assert main(["audit", str(bad)]) == 2
     assert "recipe.yaml" in capsys.readouterr().err
 
@@ -282,7 +283,7 @@ def test_failed_audit_leaves_no_checkpoint(run_dir, tmp_path, monkeypatch, capsy
     monkeypatch.setattr(rtn, "quantize_rtn", nan_scales)
     out = tmp_path / "run"
     code = main(["run", "w4a16-rtn", "--model", str(run_dir[0]), "--output", str(out),
-                 "--set", "steps.0.rtn.group_size=32", *QUICK])
+                 "--set", "scheme.group_size=32", *QUICK])
     assert code == 2
     err = capsys.readouterr().err
     assert "coverage audit failed" in err and f"{DOWN}.weight_scale: 1 NaN" in err

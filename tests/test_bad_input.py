@@ -13,9 +13,11 @@ from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.checks import check_finite_weights
 from lowbit.calibrate.models import load_model
 from lowbit.export import checkpoint
-from lowbit.quantize import awq, gptq, rtn
-from lowbit.quantize.primitives import IntScheme, check_group_size
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.steps import awq
+from lowbit.quantize.steps import gptq
+from lowbit.quantize.steps import rtn
+from lowbit.quantize.grids.integer import IntScheme, check_group_size
+from lowbit.quantize.steps.context import StepContext
 from lowbit.recipes.cli import main
 
 FAST = ["--set", "evaluate.baseline=false", "--set", "evaluate.kl.enabled=false",
@@ -46,12 +48,13 @@ def run_cli(args, out, capsys) -> str:
 # --- the recipe: malformed YAML, unknown keys, wrong types, impossible values ---
 
 @pytest.mark.parametrize("text,expected", [
-    ("steps: [rtn: {bits: 4\n", "not valid YAML"),
+    ("steps: [rtn: {scheme: {bits: 4\n", "not valid YAML"),
     ("calibration: {samples: 8, sampels: 3}\n", "calibration.sampels: unknown key; valid keys here:"),
-    ("steps:\n  - rtn: {bits: four}\n", "steps[0].rtn.bits: expected int, got a string 'four'"),
+    ("steps:\n  - rtn: {scheme: {bits: four}}\n", "steps[0].rtn.scheme.bits: expected int, got a string 'four'"),
     ("calibration: {samples: 0}\n", "calibration needs samples >= 1"),
-    ("steps:\n  - rtn: {bits: 4, strategy: group}\n", "steps[0].rtn: group_size is required"),
-    ("steps:\n  - gptq: {bits: 12}\n", "bits"),
+    ("steps:\n  - rtn: {scheme: {bits: 4, strategy: group}}\n", "steps[0].rtn.scheme: group_size is required"),
+    ("steps:\n  - gptq: {scheme: {bits: 12}}\n", "bits"),
+    ("steps:\n  - gptq: {bits: 4}\n", "steps[0].gptq.bits: unknown key; the weight grid's options (bits) go under scheme:"),
     ("\xff\xfe", "not a UTF-8 text file"),
     ("ignore: ['re:(']\n", "ignore[0]: 're:(' is not a valid regular expression"),
 ])
@@ -68,8 +71,8 @@ def test_bad_recipe_is_refused_by_the_cli_naming_file_and_key(tmp_path, capsys, 
 def test_group_size_that_does_not_divide_names_layer_and_valid_sizes(step):
     model = make_tiny_model("llama")  # in_features 128 (attention, gate/up) and 256 (down_proj)
     scheme = dict(bits=4, strategy="group", group_size=96)
-    cfg = {"rtn": lambda: IntScheme(**scheme), "gptq": lambda: gptq.GPTQConfig(**scheme),
-           "awq": lambda: awq.AWQConfig(bits=4, group_size=96)}[step]()
+    cfg = {"rtn": lambda: rtn.RTNConfig(IntScheme(**scheme)), "gptq": lambda: gptq.GPTQConfig(IntScheme(**scheme)),
+           "awq": lambda: awq.AWQConfig(scheme=IntScheme(4, True, "group", 96))}[step]()
     ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: pytest.fail("needs no data to refuse"))
     with pytest.raises(ValueError) as err:
         {"rtn": rtn, "gptq": gptq, "awq": awq}[step].apply(ctx, cfg)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from lowbit.calibrate.hardware import cpu_info
-from lowbit.quantize import cpu_kernels
+from lowbit.quantize.runtime import cpu_kernels
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "decode.py"
 

@@ -3,10 +3,10 @@ import torch
 
 from tiny_models import ARCH_TYPES, make_tiny_model
 from lowbit.calibrate.arch import ARCHS, arch_for, decoder_layers, is_linear, target_linears
-from lowbit.quantize import rtn
-from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.qlinear import QuantLinear
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.steps import rtn
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.runtime.qlinear import QuantLinear
+from lowbit.quantize.steps.context import StepContext
 
 
 @pytest.mark.parametrize("model_type", ARCH_TYPES + ["gemma2"])
@@ -34,7 +34,7 @@ def test_rtn_8bit_on_every_arch_keeps_logits_close(model_type):
     with torch.no_grad():
         ref = model(ids).logits
         arch = arch_for(model)
-        result = rtn.apply(StepContext(model, arch, ("lm_head",), lambda: None), IntScheme(bits=8))
+        result = rtn.apply(StepContext(model, arch, ("lm_head",), lambda: None), rtn.RTNConfig(IntScheme(bits=8)))
         out = model(ids).logits
     assert len(result["quantized"]) == len(target_linears(model, arch))
     assert "lm_head" in result["ignored"]
@@ -48,7 +48,7 @@ def test_gpt2_conv1d_is_transposed_correctly():
     x = torch.randn(3, 128)
     with torch.no_grad():
         ref = conv(x)
-        rtn.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: None), IntScheme(bits=8))
+        rtn.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: None), rtn.RTNConfig(IntScheme(bits=8)))
         out = model.transformer.h[0].mlp.c_fc(x)
     assert (out - ref).abs().max() < 0.02 * ref.abs().max()
 

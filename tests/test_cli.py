@@ -24,8 +24,8 @@ def test_cli_run_writes_checkpoint_and_results(tiny_model_dir, tmp_path, capsys,
     results = json.loads((out / "results.json").read_text())
     assert set(results) >= {"lowbit_version", "model", "recipe", "quality", "memory", "timing"}
     assert results["model"]["id"] == str(tiny_model_dir)
-    assert results["recipe"]["steps"] == [{"rtn": {"bits": 8, "symmetric": True, "strategy": "channel",
-                                                   "group_size": None}}]
+    assert results["recipe"]["steps"] == [{"rtn": {"scheme": {"bits": 8, "symmetric": True, "strategy": "channel",
+                                                              "group_size": None}}}]
     q = results["quality"]
     assert q["protocol"]["context_len"] == 256 and q["protocol"]["tokens_scored"] == 1024
     assert q["perplexity"] > 1 and q["baseline_perplexity"] > 1
@@ -47,7 +47,7 @@ def test_cli_refuses_existing_output_before_doing_work(tiny_model_dir, tmp_path,
 
 def test_cli_bad_recipe_is_a_clear_error(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("steps:\n  - rtn: {bits: 4, strategy: group, group_size: 100}\n  - smoothy: {}\n")
+    bad.write_text("steps:\n  - rtn: {scheme: {bits: 4, strategy: group, group_size: 100}}\n  - smoothy: {}\n")
     assert main(["run", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "bad.yaml" in err and "smoothy" in err
@@ -55,7 +55,7 @@ def test_cli_bad_recipe_is_a_clear_error(tmp_path, capsys):
 
 def test_cli_group_size_that_does_not_divide_names_layer(tiny_model_dir, tmp_path, capsys):
     code = main(["run", "w4a16-rtn", "--model", str(tiny_model_dir), "--output", str(tmp_path / "o"),
-                 "--set", "steps.0.rtn.group_size=96", *QUICK_EVAL])
+                 "--set", "scheme.group_size=96", *QUICK_EVAL])
     assert code == 2
     err = capsys.readouterr().err
     assert "model.layers.0.self_attn.q_proj" in err and "valid group sizes" in err

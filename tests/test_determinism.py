@@ -20,11 +20,11 @@ TIMED = {"results.json", "report.html", "report.md"}  # wall times, measured mem
 MANIFEST = "manifest.json"
 W4 = {"bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}
 RECIPES = {
-    "rtn": [{"rtn": W4}],
-    "gptq-kv8": [{"gptq": {"bits": 4, "group_size": 32, "actorder": "static", "scale_search": "mse"}},
-                 {"kv_cache": {"scheme": "int8", "strategy": "head"}}],
-    "awq-rtn": [{"awq": {"bits": 4, "group_size": 32, "grid": 4, "clip_grid": 4, "max_tokens": 256}},
-                {"rtn": W4}],
+    "rtn": [{"rtn": {"scheme": W4}}],
+    "gptq-kv8": [{"gptq": {"scheme": W4, "actorder": "static", "scale_search": "mse"}},
+                 {"kv_cache": {"format": "int8", "strategy": "head"}}],
+    "awq-rtn": [{"awq": {"scheme": W4, "grid": 4, "clip_grid": 4, "max_tokens": 256}},
+                {"rtn": {"scheme": W4}}],
 }
 
 

@@ -31,14 +31,15 @@ def test_compare_speed_reports_each_model_and_batch(tiny_llama):
 
 def test_speed_times_quantized_linears_with_the_backend_kernels(tiny_llama):
     from lowbit.calibrate.hardware import cpu_info
-    from lowbit.quantize import cpu_kernels
-    from lowbit.quantize.qlinear import QuantLinear
-    from lowbit.quantize.rtn import RTNConfig, apply as rtn_apply
-    from lowbit.quantize.step import StepContext
+    from lowbit.quantize.runtime import cpu_kernels
+    from lowbit.quantize.runtime.qlinear import QuantLinear
+    from lowbit.quantize.grids.integer import IntScheme
+    from lowbit.quantize.steps.rtn import RTNConfig, apply as rtn_apply
+    from lowbit.quantize.steps.context import StepContext
     from lowbit.calibrate.arch import arch_for
 
     rtn_apply(StepContext(tiny_llama, arch_for(tiny_llama), ("lm_head",), lambda: None),
-              RTNConfig(bits=4, strategy="group", group_size=32))
+              RTNConfig(scheme=IntScheme(4, True, "group", 32)))
     cfg = SpeedConfig(enabled=True, prompt_len=8, new_tokens=3, batch_sizes=(1,), repeats=1, warmup=0)
     out = compare_speed({"model": tiny_llama}, cfg)
     used = out["backends"]["model"]

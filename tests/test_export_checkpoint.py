@@ -10,15 +10,15 @@ from lowbit.calibrate.arch import arch_for
 from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
 from lowbit.export.files import OutOfSpaceError
-from lowbit.quantize import rtn
-from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.qlinear import QuantLinear
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.steps import rtn
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.runtime.qlinear import QuantLinear
+from lowbit.quantize.steps.context import StepContext
 
 
 def quantized_tiny(model_type="llama", scheme=IntScheme(bits=4, strategy="group", group_size=32)):
     model = make_tiny_model(model_type)
-    rtn.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: None), scheme)
+    rtn.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: None), rtn.RTNConfig(scheme))
     return model
 
 

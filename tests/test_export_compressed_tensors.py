@@ -8,9 +8,9 @@ from export_helpers import (W4_GROUP, act_order_tiny, compare_logits, dense_in, 
                             quantized_tiny, rounded_like_export, token_ids)
 from lowbit.export import checkpoint, ct_packed
 from lowbit.export.config import ExportConfig
-from lowbit.quantize.primitives import IntScheme, pack_codes, unpack_codes
-from lowbit.quantize.qlinear import QuantLinear
-from lowbit.quantize.weight import quantize_rtn
+from lowbit.quantize.grids.integer import IntScheme, pack_codes, unpack_codes
+from lowbit.quantize.runtime.qlinear import QuantLinear
+from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
 ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 
@@ -176,14 +176,14 @@ def test_quantized_head_of_a_tied_model_loads_untied(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from lowbit.calibrate.arch import arch_for
-    from lowbit.quantize import rtn
-    from lowbit.quantize.step import StepContext
+    from lowbit.quantize.steps import rtn
+    from lowbit.quantize.steps.context import StepContext
 
     config = tiny_config("llama")
     config.tie_word_embeddings = True
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    rtn.apply(StepContext(model, arch_for(model), (), lambda: None), W4_GROUP)  # lm_head too
+    rtn.apply(StepContext(model, arch_for(model), (), lambda: None), rtn.RTNConfig(W4_GROUP))  # lm_head too
     out = checkpoint.save(model, None, tmp_path / "ckpt", ExportConfig(dtype="float32"))
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

@@ -85,7 +85,7 @@ RESULTS = {
     "model": {"id": "smollm2-135m", "params": 134_515_008, "model_type": "llama"},
     "recipe": {"name": "w4a16-rtn", "description": "INT4 weights", "ignore": ["lm_head"],
                "calibration": {"dataset": "wiki", "samples": 128, "seq_len": 512},
-               "steps": [{"rtn": {"bits": 4, "symmetric": True, "strategy": "group", "group_size": 64}}]},
+               "steps": [{"rtn": {"scheme": {"bits": 4, "symmetric": True, "strategy": "group", "group_size": 64}}}]},
     "quality": {"perplexity": 21.5, "baseline_perplexity": 20.0, "dataset": "wiki",
                 "protocol": {"tokens_scored": 16383, "context_len": 512}},
     "memory": {"weight_bytes": 90 * 2**20, "baseline_weight_bytes": 256 * 2**20},

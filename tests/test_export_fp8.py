@@ -5,19 +5,21 @@ import pytest
 import torch
 
 from export_helpers import compare_logits, load_without_tokenizer, rounded_like_export, token_ids
+from lowbit.quantize.grids.fp8 import FP8Scheme
 from lowbit.calibrate.arch import arch_for
 from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.steps.context import StepContext
 from tiny_models import make_tiny_model
 
-fp8_step = pytest.importorskip("lowbit.quantize.fp8_step")
+fp8_step = pytest.importorskip("lowbit.quantize.steps.fp8")
 
 
-def fp8_tiny(**options):
+def fp8_tiny(weights: str = "channel", activations: str = "dynamic", block_size: int = 128):
     model = make_tiny_model("llama")
     batches = torch.randint(3, 500, (4, 32), generator=torch.Generator().manual_seed(1))
-    fp8_step.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: batches), fp8_step.FP8Config(**options))
+    cfg = fp8_step.FP8Config(FP8Scheme(strategy=weights, block_size=block_size), activations)
+    fp8_step.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: batches), cfg)
     return model
 
 

@@ -8,9 +8,9 @@ from export_helpers import (W4_GROUP, act_order_tiny, compare_logits, load_witho
                             quantized_tiny, token_ids)
 from lowbit.export import checkpoint, gptq_format
 from lowbit.export.config import ExportConfig
-from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.qlinear import QuantLinear
-from lowbit.quantize.weight import quantize_rtn
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.runtime.qlinear import QuantLinear
+from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
 
 def unpack_rows(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:

@@ -8,16 +8,17 @@ from export_helpers import compare_logits, load_without_tokenizer, quantized_tin
 from lowbit.calibrate.arch import arch_for
 from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
-from lowbit.quantize import kv_cache
-from lowbit.quantize.kv_quant import KVCacheConfig
-from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.runtime import kv_cache
+from lowbit.quantize.steps import kv_cache as kv_cache_step
+from lowbit.quantize.grids.kv import KVCacheConfig
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.steps.context import StepContext
 
 
 def with_kv(cfg: KVCacheConfig):
     model = quantized_tiny(IntScheme(bits=8, strategy="channel"))
     batches = torch.randint(3, 500, (4, 32), generator=torch.Generator().manual_seed(1))
-    kv_cache.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: batches), cfg)
+    kv_cache_step.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: batches), cfg)
     return model
 
 

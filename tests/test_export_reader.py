@@ -8,8 +8,8 @@ import torch
 from export_helpers import compare_logits, load_without_tokenizer, quantized_tiny, token_ids
 from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
-from lowbit.quantize.primitives import IntScheme, compute_scale_zero
-from lowbit.quantize.qlinear import QuantLinear
+from lowbit.quantize.grids.integer import IntScheme, compute_scale_zero
+from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.recipes.cli import main
 from tiny_models import make_tiny_model
 

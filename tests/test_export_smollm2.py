@@ -11,9 +11,9 @@ import torch
 from lowbit.calibrate.arch import arch_for
 from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
-from lowbit.quantize import rtn
-from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.steps import rtn
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.steps.context import StepContext
 
 PROMPT = "The capital of France is"
 NEW_TOKENS = 12
@@ -35,7 +35,7 @@ def test_smollm2_export_generates_in_plain_transformers(tmp_path, smollm2):
     model, tokenizer = smollm2
     model = __import__("copy").deepcopy(model)
     rtn.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: None),
-              IntScheme(bits=4, symmetric=True, strategy="group", group_size=64))  # as w4a16-rtn
+              rtn.RTNConfig(IntScheme(bits=4, symmetric=True, strategy="group", group_size=64)))  # as w4a16-rtn
     out = checkpoint.save(model, tokenizer, tmp_path / "w4", ExportConfig())
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no lowbit on the path
     proc = subprocess.run([sys.executable, "-c", FRESH, str(out), PROMPT, str(NEW_TOKENS)],

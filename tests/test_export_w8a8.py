@@ -7,10 +7,10 @@ import torch
 from export_helpers import compare_logits, load_without_tokenizer, quantized_tiny, token_ids
 from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
-from lowbit.quantize.activation import InputQuant
-from lowbit.quantize.input_quant import enable_input_quant
-from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.qlinear import QuantLinear
+from lowbit.quantize.grids.inputs import InputQuant
+from lowbit.quantize.steps.int8_inputs import enable_input_quant
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.runtime.qlinear import QuantLinear
 
 pytest.importorskip("compressed_tensors")
 

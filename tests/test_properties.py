@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from lowbit.quantize.primitives import (IntScheme, compute_scale_zero, dequantize_codes, fake_quantize,
+from lowbit.quantize.grids.integer import (IntScheme, compute_scale_zero, dequantize_codes, fake_quantize,
                                         pack_codes, quantize_codes, unpack_codes)
-from lowbit.quantize.weight import QuantizedWeight, quantize_rtn
+from lowbit.quantize.grids.quantized_weight import QuantizedWeight, quantize_rtn
 from lowbit.recipes.schema import Recipe, load_recipe
-from lowbit.recipes.steps import STEPS
+from lowbit.quantize.steps.registry import STEPS
 from lowbit.recipes.validate import RecipeError
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -215,5 +215,5 @@ OVERRIDES = st.builds(lambda parts, value: ".".join(parts) + "=" + value,
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(OVERRIDES | st.text(max_size=12), max_size=3))
 def test_random_overrides_apply_or_raise_recipe_error(recipe_file, overrides):
-    load_or_recipe_error(recipe_file, "steps:\n  - rtn: {bits: 4, strategy: group, group_size: 32}\n",
+    load_or_recipe_error(recipe_file, "steps:\n  - rtn: {scheme: {bits: 4, strategy: group, group_size: 32}}\n",
                          tuple(overrides))

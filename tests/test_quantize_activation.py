@@ -9,12 +9,14 @@ from torch import nn
 
 from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.hardware import cpu_flags, onednn_allows
-from lowbit.quantize import activation, input_quant, rtn
-from lowbit.quantize.activation import InputQuant
-from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.qlinear import QuantLinear
-from lowbit.quantize.step import StepContext
-from lowbit.quantize.weight import quantize_rtn
+from lowbit.quantize.runtime import int8_inputs as activation
+from lowbit.quantize.steps import int8_inputs as input_quant
+from lowbit.quantize.steps import rtn
+from lowbit.quantize.grids.inputs import InputQuant, per_token_scale
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.runtime.qlinear import QuantLinear
+from lowbit.quantize.steps.context import StepContext
+from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
 from tiny_models import make_tiny_model
 
@@ -37,7 +39,7 @@ def _fake_quant_reference(q, x):
     """The definition: the input rounded onto its grid, times the dequantized weight."""
     x2d = x.reshape(-1, x.shape[-1])
     iq = q.input_quant
-    scale = activation.per_token_scale(x2d, iq.qmax) if iq.dynamic else q.input_scale.reshape(1, 1)
+    scale = per_token_scale(x2d, iq.qmax) if iq.dynamic else q.input_scale.reshape(1, 1)
     xq = torch.round(x2d / scale).clamp(-128, 127) * scale
     return torch.nn.functional.linear(xq, q.dequantized_weight(), q.bias).reshape(*x.shape[:-1], -1)
 
@@ -111,7 +113,7 @@ def test_static_step_calibrates_documented_buffer():
     model = make_tiny_model("llama")
     batches = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
     ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: batches)
-    rtn.apply(ctx, IntScheme(8, strategy="channel"))
+    rtn.apply(ctx, rtn.RTNConfig(IntScheme(8, strategy="channel")))
     out = input_quant.apply(ctx, input_quant.InputQuantConfig(dynamic=False))
     q = model.get_submodule("model.layers.0.self_attn.q_proj")
     assert "model.layers.0.self_attn.q_proj" in out["inputs_quantized"]
@@ -136,7 +138,7 @@ def test_input_quantization_survives_checkpoint_roundtrip(dynamic, tmp_path, tin
     model = make_tiny_model("llama")
     batches = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: batches)
-    rtn.apply(ctx, IntScheme(8, strategy="channel"))
+    rtn.apply(ctx, rtn.RTNConfig(IntScheme(8, strategy="channel")))
     input_quant.apply(ctx, input_quant.InputQuantConfig(dynamic=dynamic))
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     checkpoint.save(model, tokenizer, tmp_path / "ckpt", ExportConfig(dtype="float32"))

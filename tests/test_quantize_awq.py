@@ -4,14 +4,15 @@ from __future__ import annotations
 import torch
 
 from lowbit.calibrate.arch import arch_for, decoder_layers
-from lowbit.quantize import awq, rtn
-from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.smoothing import PairError, weight_quantizer
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.steps import awq
+from lowbit.quantize.steps import rtn
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.steps.smoothing import PairError, weight_quantizer
+from lowbit.quantize.steps.context import StepContext
 
 from tiny_models import make_tiny_model
 
-CFG = awq.AWQConfig(bits=4, group_size=32, grid=10, clip_grid=10)
+CFG = awq.AWQConfig(scheme=IntScheme(4, True, "group", 32), grid=10, clip_grid=10)
 
 
 def outlier_inputs(tokens=512, channels=128, seed=0):
@@ -84,14 +85,14 @@ def test_awq_then_rtn_beats_rtn_on_tiny_model_and_is_deterministic():
     plain = _outlier_llama()
     with torch.no_grad():
         reference = plain(ids).logits
-    rtn.apply(StepContext(plain, arch_for(plain), ("lm_head",), lambda: ids), scheme)
+    rtn.apply(StepContext(plain, arch_for(plain), ("lm_head",), lambda: ids), rtn.RTNConfig(scheme))
     results, errors, states = [], [], []
     for _ in range(2):
         model = _outlier_llama()
         ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: ids)
-        results.append(awq.apply(ctx, awq.AWQConfig(bits=4, group_size=32, grid=8, clip_grid=8)))
+        results.append(awq.apply(ctx, awq.AWQConfig(scheme=IntScheme(4, True, "group", 32), grid=8, clip_grid=8)))
         states.append({k: v.clone() for k, v in model.state_dict().items()})
-        rtn.apply(ctx, scheme)
+        rtn.apply(ctx, rtn.RTNConfig(scheme))
         errors.append(_logit_error(model, reference, ids))
     assert errors[0] < _logit_error(plain, reference, ids)
     assert results[0] == results[1] and errors[0] == errors[1]
@@ -104,20 +105,20 @@ def test_awq_scaling_without_quantization_keeps_function():
     with torch.no_grad():
         before = model(ids).logits
     awq.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: ids),
-              awq.AWQConfig(group_size=32, grid=3, clip=False))
+              awq.AWQConfig(scheme=IntScheme(4, True, "group", 32), grid=3, clip=False))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-4)
 
 
 def test_awq_composes_with_gptq():
-    from lowbit.quantize import gptq
-    from lowbit.quantize.qlinear import QuantLinear
+    from lowbit.quantize.steps import gptq
+    from lowbit.quantize.runtime.qlinear import QuantLinear
 
     ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(7))
     model = _outlier_llama()
     ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: ids)
-    awq.apply(ctx, awq.AWQConfig(group_size=32, grid=3, clip_grid=2))
-    gptq.apply(ctx, gptq.GPTQConfig(bits=4, strategy="group", group_size=32))
+    awq.apply(ctx, awq.AWQConfig(scheme=IntScheme(4, True, "group", 32), grid=3, clip_grid=2))
+    gptq.apply(ctx, gptq.GPTQConfig(scheme=IntScheme(4, True, "group", 32)))
     assert isinstance(model.get_submodule("model.layers.1.mlp.down_proj"), QuantLinear)
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
@@ -164,7 +165,7 @@ def test_clip_layer_reads_every_token_or_a_stride_and_shares_one_gram_per_input(
     monkeypatch.setattr(awq.GroupGram, "update", counting_update)
     for clip_tokens, rows in ((None, 64), (16, 16)):
         rows_seen.clear()
-        cfg = awq.AWQConfig(group_size=32, clip_tokens=clip_tokens)
+        cfg = awq.AWQConfig(scheme=IntScheme(4, True, "group", 32), clip_tokens=clip_tokens)
         clipped = awq.clip_layer(layer, arch, "model.layers.0", inputs, None, cfg, ())
         assert "mlp.down_proj" in clipped and "self_attn.q_proj" not in clipped
         # inputs of v_proj, o_proj, gate+up (one tensor, one Gram) and down_proj

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from lowbit.calibrate.hardware import cpu_info
-from lowbit.quantize import backends, cpu_kernels
-from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.qlinear import QuantLinear
-from lowbit.quantize.weight import quantize_rtn
+from lowbit.quantize.runtime import backends
+from lowbit.quantize.runtime import cpu_kernels
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.runtime.qlinear import QuantLinear
+from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -191,11 +192,11 @@ def test_a_failed_build_warns_and_falls_back(kernel_variant, monkeypatch):
 
 def test_prepared_model_gives_the_same_logits(tiny_llama, kernel_variant):
     from lowbit.calibrate.arch import arch_for
-    from lowbit.quantize import rtn
-    from lowbit.quantize.step import StepContext
+    from lowbit.quantize.steps import rtn
+    from lowbit.quantize.steps.context import StepContext
 
     ctx = StepContext(tiny_llama, arch_for(tiny_llama), (), lambda: None)
-    rtn.apply(ctx, IntScheme(4, False, "group", 32))
+    rtn.apply(ctx, rtn.RTNConfig(IntScheme(4, False, "group", 32)))
     ids = torch.randint(0, 512, (2, 7))
     with torch.no_grad():
         expected = tiny_llama(ids[:, :1]).logits

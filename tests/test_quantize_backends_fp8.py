@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.quantize import backends, cpu_kernels
-from lowbit.quantize.fp8 import FP8_DTYPES, FP8Weight, quantize_weight_fp8
-from lowbit.quantize.fp8_linear import FP8Linear
+from lowbit.quantize.runtime import backends
+
+from lowbit.quantize.runtime import cpu_kernels
+from lowbit.quantize.grids.fp8 import FP8_DTYPES, FP8Weight, quantize_weight_fp8
+from lowbit.quantize.runtime.fp8_linear import FP8Linear
 
 
 def make_fp8_layer(out: int, inp: int, fmt: str, strategy: str, activations: str) -> FP8Linear:
@@ -83,7 +85,7 @@ def test_prefill_sized_inputs_take_the_reference_path(kernel_variant):
 @pytest.mark.parametrize("static_scale", [0.0, 0.01])
 def test_cpu_fp8_input_quantization_is_bitwise_the_reference(fmt, static_scale, kernel_variant):
     """Rows from 1e-12 to 1e3 in magnitude reach the subnormals, the ties and saturation."""
-    from lowbit.quantize.fp8 import dynamic_token_scale, quantize_activation
+    from lowbit.quantize.grids.fp8 import dynamic_token_scale, quantize_activation
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, 1024, generator=g) * torch.logspace(-12, 3, 16).unsqueeze(1)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lowbit.calibrate.arch import SmoothPair, arch_for, decoder_layers
-from lowbit.quantize.fold import fold_scale, follower_index, prev_channels, reduce_to_prev
+from lowbit.quantize.steps.fold import fold_scale, follower_index, prev_channels, reduce_to_prev
 
 from tiny_models import make_tiny_model
 

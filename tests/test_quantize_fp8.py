@@ -4,14 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lowbit.quantize.grids.fp8 import FP8Scheme
+from lowbit.quantize.grids.integer import IntScheme
 from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.observers import linear_input_absmax
-from lowbit.quantize import fp8_step
-from lowbit.quantize.fp8 import (block_absmax, dynamic_token_scale, fp8_max, quantize_activation,
+from lowbit.quantize.steps import fp8 as fp8_step
+from lowbit.quantize.grids.fp8 import (block_absmax, dynamic_token_scale, fp8_max, quantize_activation,
                                  quantize_weight_fp8, saturating_cast)
-from lowbit.quantize.fp8_linear import FP8Linear
-from lowbit.quantize.gptq import GPTQConfig, gptq_solve_fp8
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.runtime.fp8_linear import FP8Linear
+from lowbit.quantize.steps.gptq import GPTQConfig
+from lowbit.quantize.steps.gptq_solver import gptq_solve_fp8
+from lowbit.quantize.steps.context import StepContext
 from lowbit.recipes.schema import load_recipe
 
 E4M3_REL = 2.0 ** -4  # half a unit in the last place of a 3-bit mantissa, with margin
@@ -102,7 +105,7 @@ def test_fp8_step_replaces_linears_and_keeps_logits_close(tiny_llama, activation
     batches = torch.randint(3, 500, (4, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = tiny_llama(input_ids=batches).logits
-    cfg = fp8_step.FP8Config(weights="channel", activations=activations)
+    cfg = fp8_step.FP8Config(scheme=FP8Scheme(strategy="channel"), activations=activations)
     detail = fp8_step.apply(StepContext(tiny_llama, arch_for(tiny_llama), ("lm_head",), lambda: batches), cfg)
     assert len(detail["quantized"]) == 14 and "lm_head" in detail["ignored"]
     q = tiny_llama.get_submodule("model.layers.0.self_attn.q_proj")
@@ -144,7 +147,7 @@ def test_fp8_step_gptq_rounding_walks_layers_and_records_losses(tiny_llama):
     batches = torch.randint(3, 500, (4, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = tiny_llama(input_ids=batches).logits
-    cfg = fp8_step.FP8Config(weights="channel", activations="dynamic", rounding="gptq")
+    cfg = fp8_step.FP8Config(scheme=FP8Scheme(strategy="channel"), activations="dynamic", rounding="gptq")
     detail = fp8_step.apply(StepContext(tiny_llama, arch_for(tiny_llama), ("lm_head",), lambda: batches), cfg)
     assert detail["rounding"] == "gptq" and detail["round_to_nearest"] == []
     losses = {n: s["loss"] for layer in detail["layers"] for n, s in layer["linears"].items()}
@@ -158,4 +161,4 @@ def test_fp8_step_gptq_rounding_walks_layers_and_records_losses(tiny_llama):
 
 def test_fp8_gptq_rounding_rejects_group_act_order():
     with pytest.raises(ValueError, match="actorder"):
-        gptq_solve_fp8(torch.randn(8, 16), torch.eye(16), GPTQConfig(actorder="group", group_size=16))
+        gptq_solve_fp8(torch.randn(8, 16), torch.eye(16), GPTQConfig(scheme=IntScheme(4, True, "group", 16), actorder="group"))

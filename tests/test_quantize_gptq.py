@@ -4,15 +4,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lowbit.quantize.grids.integer import IntScheme
 from lowbit.calibrate.arch import arch_for, decoder_layers
 from lowbit.calibrate.hardware import cpu_info
 from lowbit.calibrate.walker import capture_first_layer_inputs, record_linear_inputs
-from lowbit.quantize import gptq
-from lowbit.quantize.gptq import GPTQConfig, HessianAccumulator, gptq_solve, quantize_weight
-from lowbit.quantize.primitives import fake_quantize
-from lowbit.quantize.qlinear import QuantLinear
-from lowbit.quantize.step import StepContext
-from lowbit.quantize.weight import quantize_rtn
+from lowbit.quantize.steps import gptq
+from lowbit.quantize.grids.scale_search import search_scale_zero
+from lowbit.quantize.steps.gptq import GPTQConfig
+from lowbit.quantize.steps.gptq_solver import HessianAccumulator, gptq_solve, quantize_weight
+from lowbit.quantize.steps.layerwise import resolve_forward_dtype
+from lowbit.quantize.grids.integer import fake_quantize
+from lowbit.quantize.runtime.qlinear import QuantLinear
+from lowbit.quantize.steps.context import StepContext
+from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
 
 def _correlated(tokens=2048, cols=128, rows=64, seed=0):
@@ -32,12 +36,12 @@ def _output_error(X, W, Q):
 
 
 @pytest.mark.parametrize("cfg", [
-    GPTQConfig(bits=4, strategy="group", group_size=32, actorder="none"),
-    GPTQConfig(bits=4, strategy="group", group_size=32, actorder="static", symmetric=False),
-    GPTQConfig(bits=3, strategy="channel", group_size=None, actorder="group"),
-    GPTQConfig(bits=4, strategy="group", group_size=32, actorder="group", block_size=32),
-    GPTQConfig(bits=4, strategy="group", group_size=32, actorder="static", scale_search="mse"),
-    GPTQConfig(bits=4, strategy="group", group_size=32, actorder="none", scale_search="mse", symmetric=False),
+    GPTQConfig(scheme=IntScheme(4, True, "group", 32), actorder="none"),
+    GPTQConfig(scheme=IntScheme(4, False, "group", 32), actorder="static"),
+    GPTQConfig(scheme=IntScheme(3, True, "channel", None), actorder="group"),
+    GPTQConfig(scheme=IntScheme(4, True, "group", 32), actorder="group", batch_columns=32),
+    GPTQConfig(scheme=IntScheme(4, True, "group", 32), actorder="static", scale_search="mse"),
+    GPTQConfig(scheme=IntScheme(4, False, "group", 32), actorder="none", scale_search="mse"),
 ])
 def test_gptq_beats_rtn_on_output_error(cfg):
     X, W, H = _correlated()
@@ -51,8 +55,8 @@ def test_mse_scale_search_clips_an_outlier():
     groups = torch.rand(16, 4, 32, generator=gen) * 2 - 1
     groups[:, :, 0] = -4.0  # one outlier per group: min/max scales spend the grid on it
     weight = torch.ones(4, 32)
-    scheme = GPTQConfig(bits=4, strategy="group", group_size=32).scheme
-    scale, zero = gptq.search_scale_zero(groups, weight, scheme)
+    scheme = GPTQConfig(scheme=IntScheme(4, True, "group", 32)).scheme
+    scale, zero = search_scale_zero(groups, weight, scheme)
     minmax = groups.abs().amax(dim=-1) / 7.5
     assert zero is None and bool((scale < minmax).all())
 
@@ -64,7 +68,7 @@ def test_mse_scale_search_clips_an_outlier():
 @pytest.mark.parametrize("actorder", ["static", "group"])
 def test_act_order_with_groups_round_trips(actorder):
     X, W, H = _correlated(cols=96)
-    cfg = GPTQConfig(bits=4, strategy="group", group_size=32, actorder=actorder, symmetric=False)
+    cfg = GPTQConfig(scheme=IntScheme(4, False, "group", 32), actorder=actorder)
     qw = quantize_weight(W, H, cfg)
     assert (qw.g_idx is not None) == (actorder == "group")  # static needs no runtime permutation
     if qw.g_idx is not None:
@@ -108,8 +112,7 @@ def test_damping_retry_on_singular_hessian():
     H = 2 * X.t() @ X / 8
     H -= 2e-3 * H.diagonal().mean() * torch.eye(64)  # slightly indefinite, as rounding can leave it
     W = torch.randn(16, 64, generator=gen)
-    result = gptq_solve(W, H, GPTQConfig(bits=4, strategy="channel", group_size=None,
-                                         dampening_frac=1e-4))
+    result = gptq_solve(W, H, GPTQConfig(scheme=IntScheme(4, True, "channel", None), dampening_frac=1e-4))
     assert result.retries >= 1 and result.dampening_frac > 2e-3
     assert torch.isfinite(result.weight.dequantize()).all()
 
@@ -117,15 +120,15 @@ def test_damping_retry_on_singular_hessian():
 def test_dead_inputs_are_zeroed():
     X, W, H = _correlated(cols=64)
     H[5, :], H[:, 5] = 0, 0  # an input feature that is always zero
-    qw = quantize_weight(W, H, GPTQConfig(bits=4, strategy="group", group_size=32))
+    qw = quantize_weight(W, H, GPTQConfig(scheme=IntScheme(4, True, "group", 32)))
     assert torch.all(qw.dequantize()[:, 5] == 0)
 
 
 def test_config_rejects_bad_options():
     with pytest.raises(ValueError, match="group_size"):
-        GPTQConfig(strategy="group", group_size=None)
+        GPTQConfig(scheme=IntScheme(4, True, "group", None))
     with pytest.raises(ValueError, match="bits"):
-        GPTQConfig(bits=9)
+        GPTQConfig(scheme=IntScheme(9, True, "group", 128))
 
 
 def test_apply_on_tiny_model(tiny_llama):
@@ -134,7 +137,7 @@ def test_apply_on_tiny_model(tiny_llama):
     with torch.no_grad():
         reference = model(input_ids=ids).logits
     ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: ids)
-    cfg = GPTQConfig(bits=4, strategy="group", group_size=32, actorder="group", micro_batch=3)
+    cfg = GPTQConfig(scheme=IntScheme(4, True, "group", 32), actorder="group", micro_batch=3)
     result = gptq.apply(ctx, cfg)
     arch = ctx.arch
     expected = [f"{arch.layers}.{i}.{n}" for i in range(2) for n in arch.linears]
@@ -163,7 +166,7 @@ def test_apply_on_cuda_matches_cpu():
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     twin = copy.deepcopy(model)
     ids = torch.randint(3, 512, (6, 32), generator=torch.Generator().manual_seed(6))
-    cfg = GPTQConfig(bits=4, strategy="group", group_size=32, actorder="group")
+    cfg = GPTQConfig(scheme=IntScheme(4, True, "group", 32), actorder="group")
     gptq.apply(StepContext(model, _arch_for(model), ("lm_head",), lambda: ids), cfg)
     gptq.apply(StepContext(twin, _arch_for(twin), ("lm_head",), lambda: ids, device=torch.device("cuda")), cfg)
     assert {t.device.type for t in [*twin.parameters(), *twin.buffers()]} == {"cpu"}
@@ -184,7 +187,7 @@ def test_bf16_forwards_quantize_about_as_well_as_float32(tiny_llama):
     with torch.no_grad():
         reference = tiny_llama(input_ids=ids).logits
     for model, dtype in ((tiny_llama, "float32"), (twin, "bfloat16")):
-        cfg = GPTQConfig(bits=4, strategy="group", group_size=32, forward_dtype=dtype)
+        cfg = GPTQConfig(scheme=IntScheme(4, True, "group", 32), forward_dtype=dtype)
         result = gptq.apply(StepContext(model, arch_for(model), ("lm_head",), lambda: ids), cfg)
         assert result["forward_dtype"] == dtype
     with torch.no_grad():
@@ -202,16 +205,16 @@ def test_forward_dtype_auto_follows_the_cpu_description(monkeypatch, env, expect
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert cpu_info().bf16_native == (expected == torch.bfloat16)
-    assert gptq.resolve_forward_dtype("auto", "cpu") == expected
+    assert resolve_forward_dtype("auto", "cpu") == expected
     # an explicit dtype is taken as written, whatever the CPU
-    assert gptq.resolve_forward_dtype("float32", "cpu") == torch.float32
-    assert gptq.resolve_forward_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert resolve_forward_dtype("float32", "cpu") == torch.float32
+    assert resolve_forward_dtype("bfloat16", "cpu") == torch.bfloat16
 
 
 def test_forward_dtype_auto_is_recorded_and_printed(monkeypatch, tiny_llama, capsys):
     monkeypatch.setenv("LOWBIT_CPU_BF16", "emulated")
     ids = torch.randint(0, tiny_llama.config.vocab_size, (2, 16))
-    cfg = GPTQConfig(bits=4, strategy="group", group_size=32)
+    cfg = GPTQConfig(scheme=IntScheme(4, True, "group", 32))
     result = gptq.apply(StepContext(tiny_llama, arch_for(tiny_llama), ("lm_head",), lambda: ids), cfg)
     assert result["forward_dtype"] == "float32"
     assert "forward dtype float32 (auto on CPU:" in capsys.readouterr().err

@@ -7,11 +7,12 @@ import torch
 from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.observers import cached_kv_absmax
 from lowbit.evaluate.kv_cache import kv_bytes_per_token_formula, measure_kv_cache
-from lowbit.quantize import kv_cache
-from lowbit.quantize.kv_quant import KVCacheConfig, dequantize_kv, quantize_kv, static_scale
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.runtime import kv_cache
+from lowbit.quantize.steps import kv_cache as kv_cache_step
+from lowbit.quantize.grids.kv import KVCacheConfig, dequantize_kv, quantize_kv, static_scale
+from lowbit.quantize.steps.context import StepContext
 from lowbit.recipes.schema import load_recipe
-from lowbit.recipes.steps import STEPS
+from lowbit.quantize.steps.registry import STEPS
 
 SCHEMES = [("int8", "tensor"), ("int8", "head"), ("int8", "token"), ("fp8", "tensor"), ("fp8", "head"),
            ("fp8", "token"), ("int4", "token")]
@@ -25,7 +26,7 @@ def _ids(rows=2, tokens=24, seed=0):
 def _apply(model, scheme, strategy, batches=None):
     cfg = KVCacheConfig(scheme, strategy)
     batches = _ids(4, 32) if batches is None else batches
-    kv_cache.apply(StepContext(model, arch_for(model), (), lambda: batches), cfg)
+    kv_cache_step.apply(StepContext(model, arch_for(model), (), lambda: batches), cfg)
     return cfg
 
 
@@ -164,7 +165,7 @@ def test_perplexity_effect_runs_through_the_quantized_cache(tiny_tokenizer_dir):
     _apply(model, "int4", "token")
     r = kv_perplexity_effect(model, tokenizer, PerplexityProtocol(context_len=128, stride=128, max_tokens=256))
     assert r["perplexity_quantized_kv"] != r["perplexity_float_kv"]  # the KV scheme was really in the loop
-    assert abs(r["kv_effect_pct"]) < 5 and model.lowbit_kv_cache.scheme == "int4"  # re-attached
+    assert abs(r["kv_effect_pct"]) < 5 and model.lowbit_kv_cache.format == "int4"  # re-attached
 
 
 @pytest.mark.slow

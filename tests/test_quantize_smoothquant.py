@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from lowbit.calibrate.arch import arch_for, decoder_layers
-from lowbit.quantize import input_quant, rtn, smoothquant
-from lowbit.quantize.primitives import IntScheme
-from lowbit.quantize.smoothing import PairError, per_token_int8, weight_quantizer
-from lowbit.quantize.step import StepContext
+from lowbit.quantize.steps import int8_inputs as input_quant
+from lowbit.quantize.steps import rtn
+from lowbit.quantize.steps import smoothquant
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.steps.smoothing import PairError, per_token_int8, weight_quantizer
+from lowbit.quantize.steps.context import StepContext
 
 from tiny_models import make_tiny_model
 
@@ -56,7 +58,7 @@ def _outlier_model(model_type):
 
 def _w8a8_logit_error(model, reference, ids):
     ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: ids)
-    rtn.apply(ctx, W8)
+    rtn.apply(ctx, rtn.RTNConfig(W8))
     input_quant.apply(ctx, input_quant.InputQuantConfig())
     with torch.no_grad():
         return (model(ids).logits - reference).pow(2).mean().item()

@@ -19,7 +19,7 @@ def test_every_shipped_recipe_loads_by_name(name):
 
 def test_shipped_w4a16_rtn_uses_group_64():
     cfg = load_recipe("w4a16-rtn").steps[0].config
-    assert (cfg.bits, cfg.strategy, cfg.group_size) == (4, "group", 64)
+    assert (cfg.scheme.bits, cfg.scheme.strategy, cfg.scheme.group_size) == (4, "group", 64)
 
 
 def test_unknown_key_names_file_key_path_and_valid_keys(tmp_path):
@@ -31,8 +31,8 @@ def test_unknown_key_names_file_key_path_and_valid_keys(tmp_path):
 
 
 def test_wrong_type_names_key_and_expected_type(tmp_path):
-    path = write(tmp_path, "steps:\n  - rtn: {bits: four}\n")
-    with pytest.raises(RecipeError, match=r"steps\[0\]\.rtn\.bits: expected int, got a string 'four'"):
+    path = write(tmp_path, "steps:\n  - rtn: {scheme: {bits: four}}\n")
+    with pytest.raises(RecipeError, match=r"steps\[0\]\.rtn\.scheme\.bits: expected int, got a string 'four'"):
         load_recipe(path)
 
 
@@ -43,12 +43,12 @@ def test_boolean_is_not_an_int(tmp_path):
 
 def test_unknown_step_lists_valid_steps(tmp_path):
     with pytest.raises(RecipeError, match=r"steps\[1\]\.gptqq: unknown step; valid steps: \[.*'rtn'"):
-        load_recipe(write(tmp_path, "steps:\n  - rtn: {bits: 8}\n  - gptqq: {}\n"))
+        load_recipe(write(tmp_path, "steps:\n  - rtn: {scheme: {bits: 8}}\n  - gptqq: {}\n"))
 
 
 def test_invalid_step_values_are_reported_with_their_key(tmp_path):
-    with pytest.raises(RecipeError, match=r"steps\[0\]\.rtn: group_size is required"):
-        load_recipe(write(tmp_path, "steps:\n  - rtn: {bits: 4, strategy: group}\n"))
+    with pytest.raises(RecipeError, match=r"steps\[0\]\.rtn\.scheme: group_size is required"):
+        load_recipe(write(tmp_path, "steps:\n  - rtn: {scheme: {bits: 4, strategy: group}}\n"))
 
 
 def test_literal_choices_are_listed(tmp_path):
@@ -57,7 +57,7 @@ def test_literal_choices_are_listed(tmp_path):
 
 
 def test_malformed_yaml_names_the_file(tmp_path):
-    path = write(tmp_path, "steps: [rtn: {bits: 4\n")
+    path = write(tmp_path, "steps: [rtn: {scheme: {bits: 4\n")
     with pytest.raises(RecipeError, match="not valid YAML") as err:
         load_recipe(path)
     assert path in str(err.value)
@@ -80,12 +80,29 @@ def test_python_tags_are_never_executed(tmp_path):
 
 
 def test_overrides_set_nested_values_and_list_items():
-    recipe = load_recipe("w4a16-rtn", ("calibration.samples=16", "steps.0.rtn.group_size=32",
+    recipe = load_recipe("w4a16-rtn", ("calibration.samples=16", "scheme.group_size=32",
                                        "model=/some/folder", "evaluate.perplexity.max_tokens=2048"))
     assert recipe.calibration.samples == 16
-    assert recipe.steps[0].config.group_size == 32
+    assert recipe.steps[0].config.scheme.group_size == 32
     assert recipe.model == "/some/folder"
     assert recipe.evaluate.perplexity.max_tokens == 2048
+
+
+def test_one_scheme_is_shared_and_a_step_may_override_it():
+    # a step listed by name alone (`- rtn`) still takes options through --set
+    recipe = load_recipe("w4a16-rtn-kv8", ("steps.0.rtn.scheme.group_size=32",))
+    assert recipe.steps[0].config.scheme.group_size == 32 and recipe.scheme["group_size"] == 64
+
+
+def test_a_scale_search_for_another_grid_than_the_weight_step_writes_is_refused():
+    with pytest.raises(RecipeError, match=r"steps\[0\]\.awq\.scheme: searches scales for int4 asym group 64, but "
+                                          r"steps\[1\]\.rtn quantizes to int4 asym group 32"):
+        load_recipe("w4a16-awq", ("steps.1.rtn.scheme.group_size=32",))
+
+
+def test_a_step_that_cannot_take_the_shared_scheme_says_so():
+    with pytest.raises(RecipeError, match=r"scheme: steps\[0\] \(fp8\) cannot take the recipe's scheme"):
+        load_recipe("fp8-dynamic", ("scheme.bits=4",))
 
 
 def test_override_without_equals_is_an_error():

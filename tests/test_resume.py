@@ -11,8 +11,8 @@ from lowbit.recipes.schema import load_recipe
 QUICK = ("evaluate.baseline=false", "evaluate.perplexity.max_tokens=256",
          "evaluate.perplexity.context_len=128", "evaluate.perplexity.stride=128",
          "calibration.samples=4", "calibration.seq_len=64")
-GPTQ = "{bits: 4, strategy: group, group_size: 32, actorder: static, forward_dtype: float32}"
-FP8_GPTQ = "{weights: channel, activations: dynamic, rounding: gptq}"  # the same walk, FP8 layers
+GPTQ = "{scheme: {bits: 4, strategy: group, group_size: 32}, actorder: static, forward_dtype: float32}"
+FP8_GPTQ = "{scheme: {strategy: channel}, activations: dynamic, rounding: gptq}"  # the same walk, FP8 layers
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_resumed_run_writes_the_uninterrupted_checkpoint(tiny_dir, tmp_path, mon
 
 
 def test_resume_across_steps(tiny_dir, tmp_path, monkeypatch):
-    recipe = recipe_file(tmp_path, tiny_dir, "  - awq: {bits: 4, group_size: 32, grid: 4, max_tokens: 128}\n"
+    recipe = recipe_file(tmp_path, tiny_dir, "  - awq: {scheme: {bits: 4, strategy: group, group_size: 32}, grid: 4, max_tokens: 128}\n"
                                              f"  - gptq: {GPTQ}\n")
     run(recipe, tmp_path / "whole")
     out, saves = tmp_path / "resumed", []
@@ -90,9 +90,9 @@ def test_resume_refuses_a_different_recipe(tiny_dir, tmp_path, monkeypatch):
 
 def test_layer_state_round_trips_exactly(tiny_dir, tmp_path):
     from lowbit.calibrate.models import load_model
-    from lowbit.quantize.qlinear import QuantLinear
-    from lowbit.quantize.primitives import IntScheme
-    from lowbit.quantize.weight import quantize_rtn
+    from lowbit.quantize.runtime.qlinear import QuantLinear
+    from lowbit.quantize.grids.integer import IntScheme
+    from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
     model, _, _ = load_model(str(tiny_dir))
     layer = model.model.layers[1]
@@ -126,7 +126,7 @@ def test_cli_resume_flag(tiny_dir, tmp_path, monkeypatch, capsys):
 
 
 def test_run_failing_before_any_layer_leaves_no_resume_folder(tiny_dir, tmp_path):
-    recipe = recipe_file(tmp_path, tiny_dir, "  - gptq: {bits: 4, strategy: group, group_size: 48}\n")
+    recipe = recipe_file(tmp_path, tiny_dir, "  - gptq: {scheme: {bits: 4, strategy: group, group_size: 48}}\n")
     with pytest.raises(ValueError, match="group"):
         run(recipe, tmp_path / "out")
     assert not resume.resume_dir(tmp_path / "out").exists() and not (tmp_path / "out").exists()
@@ -135,7 +135,7 @@ def test_run_failing_before_any_layer_leaves_no_resume_folder(tiny_dir, tmp_path
 def test_layers_compressed_tensors_cannot_describe_turn_checkpoints_off(tiny_dir, tmp_path):
     """GPTQ actorder: group keeps a permuted g_idx (exportable only as --format gptq): the run
     goes on without resume checkpoints instead of failing."""
-    recipe = recipe_file(tmp_path, tiny_dir, "  - gptq: {bits: 4, strategy: group, group_size: 32, "
+    recipe = recipe_file(tmp_path, tiny_dir, "  - gptq: {scheme: {bits: 4, strategy: group, group_size: 32}, "
                                              "actorder: group, forward_dtype: float32}\n"
                                              "export: {format: gptq}\n")
     with pytest.warns(RuntimeWarning, match="resume checkpoints off"):

@@ -22,7 +22,7 @@ QUICK = ["--set", "evaluate.baseline=false", "--set", "evaluate.kl.enabled=false
          "--set", "evaluate.perplexity.max_tokens=256", "--set", "evaluate.perplexity.context_len=128",
          "--set", "evaluate.perplexity.stride=128", "--set", "calibration.samples=4",
          "--set", "calibration.seq_len=64"]
-GPTQ = "steps:\n  - gptq: {bits: 4, strategy: group, group_size: 32, forward_dtype: float32}\n"
+GPTQ = "steps:\n  - gptq: {scheme: {bits: 4, strategy: group, group_size: 32}, forward_dtype: float32}\n"
 
 
 @pytest.fixture(scope="module")

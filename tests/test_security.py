@@ -137,7 +137,7 @@ def test_recipe_names_that_are_not_plain_file_names_are_refused(tmp_path, name):
 
 def test_sweep_cannot_write_outside_its_folder(tiny_folder, tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("name: ../../escaped\nsteps: [{rtn: {bits: 8}}]\n")
+    recipe.write_text("name: ../../escaped\nsteps: [{rtn: {scheme: {bits: 8}}}]\n")
     root = tmp_path / "deep" / "sweep"
     assert main(["sweep", str(recipe), "--model", str(tiny_folder), "--output", str(root), *FAST]) == 2
     assert "name: recipe name '../../escaped'" in capsys.readouterr().err

@@ -20,10 +20,8 @@ from torch import nn
 from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicCache, get_layer_types_and_kwargs
 
 from lowbit.calibrate.arch import Arch, arch_for, decoder_layers
-from lowbit.calibrate.observers import cached_kv_absmax
 
-from .kv_quant import KVCacheConfig, QuantizedKV, dequantize_kv, quantize_kv, static_scale
-from .step import StepContext
+from lowbit.quantize.grids.kv import KVCacheConfig, dequantize_kv, quantize_kv
 
 SCALE_NAMES = ("k_scale", "v_scale")
 
@@ -152,24 +150,3 @@ def detach(model: nn.Module) -> None:
         del model._lowbit_kv_hook
     if hasattr(model, "lowbit_kv_cache"):
         del model.lowbit_kv_cache
-
-
-def set_scales(attns: list[nn.Module], stats: Optional[dict], cfg: KVCacheConfig) -> None:
-    """Store (or, for per-token schemes, clear) k_scale/v_scale on each attention module."""
-    for i, attn in enumerate(attns):
-        for name, stat in zip(SCALE_NAMES, ("k_absmax", "v_absmax")):
-            value = static_scale(stats[stat][i], cfg) if cfg.static else None
-            attn.register_buffer(name, value, persistent=False)
-
-
-def apply(ctx: StepContext, cfg: KVCacheConfig) -> dict:
-    detach(ctx.model)  # observe what a float cache would hold, after any weight quantization
-    attns = attention_modules(ctx.model, ctx.arch)
-    stats = cached_kv_absmax(ctx.model, ctx.batches) if cfg.static else None
-    set_scales(attns, stats, cfg)
-    attach(ctx.model, cfg)
-    detail = {"scheme": cfg.scheme, "strategy": cfg.strategy, "layers": len(attns)}
-    if stats is not None:
-        detail["k_scale"] = [a.k_scale.tolist() for a in attns]
-        detail["v_scale"] = [a.v_scale.tolist() for a in attns]
-    return detail

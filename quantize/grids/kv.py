@@ -11,9 +11,9 @@ from typing import Literal, Optional
 
 import torch
 
-from .fp8 import fp8_max, saturating_cast
+from lowbit.quantize.grids.fp8 import fp8_max, saturating_cast
 
-KVScheme = Literal["int8", "fp8", "int4"]
+KVFormat = Literal["int8", "fp8", "int4"]
 KVStrategy = Literal["tensor", "head", "token"]
 
 INT8_MAX = 127  # symmetric: -128 left unused so that +-absmax both land on the grid
@@ -22,13 +22,13 @@ INT4_LEVELS = 15
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    scheme: KVScheme = "fp8"
+    format: KVFormat = "fp8"
     strategy: KVStrategy = "tensor"  # tensor / head: calibrated static scales; token: dynamic per token
     group_size: int = 32  # int4 only: head_dim is split into groups with their own scale and minimum
 
     def __post_init__(self):
-        if self.scheme == "int4" and self.strategy != "token":
-            raise ValueError(f"scheme int4 needs strategy: token (per-token groups of group_size "
+        if self.format == "int4" and self.strategy != "token":
+            raise ValueError(f"format int4 needs strategy: token (per-token groups of group_size "
                              f"along head_dim), got strategy {self.strategy!r}")
         if self.group_size <= 0 or self.group_size % 2:
             raise ValueError(f"group_size must be a positive even number, got {self.group_size}")
@@ -39,7 +39,22 @@ class KVCacheConfig:
 
     @property
     def qmax(self) -> float:
-        return fp8_max("e4m3") if self.scheme == "fp8" else INT8_MAX
+        return fp8_max("e4m3") if self.format == "fp8" else INT8_MAX
+
+    @property
+    def bytes_per_element(self) -> float:
+        """Code bytes per cached K/V element (int4's per-token scales and minima not counted)."""
+        return 0.5 if self.format == "int4" else 1.0
+
+    def to_file(self) -> dict:
+        """The config as checkpoints store it (config.json's lowbit_kv_cache; the number format
+        under its original key, `scheme`, so files stay readable both ways)."""
+        return {"scheme": self.format, "strategy": self.strategy, "group_size": self.group_size}
+
+    @classmethod
+    def from_file(cls, saved: dict) -> "KVCacheConfig":
+        saved = dict(saved)
+        return cls(format=saved.pop("scheme", saved.pop("format", "fp8")), **saved)
 
 
 @dataclass
@@ -90,7 +105,7 @@ def _token_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:
 
 def quantize_kv(x: torch.Tensor, cfg: KVCacheConfig, scale: Optional[torch.Tensor] = None) -> QuantizedKV:
     """Quantize states x (b, h, t, d); static strategies need the stored scale."""
-    if cfg.scheme == "int4":
+    if cfg.format == "int4":
         return _quantize_int4(x, cfg.group_size)
     if cfg.static:
         if scale is None:
@@ -99,13 +114,13 @@ def quantize_kv(x: torch.Tensor, cfg: KVCacheConfig, scale: Optional[torch.Tenso
     else:
         s = _token_scale(x, cfg.qmax)
     y = x.float() / s.float()
-    if cfg.scheme == "fp8":
+    if cfg.format == "fp8":
         return QuantizedKV(saturating_cast(y, "e4m3"), s)
     return QuantizedKV(torch.round(y).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), s)
 
 
 def dequantize_kv(q: QuantizedKV, cfg: KVCacheConfig, dtype: torch.dtype) -> torch.Tensor:
-    if cfg.scheme == "int4":
+    if cfg.format == "int4":
         return _dequantize_int4(q, cfg.group_size).to(dtype)
     return (q.codes.float() * q.scale.float()).to(dtype)
 

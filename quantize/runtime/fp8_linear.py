@@ -12,17 +12,16 @@ multiplies by the dequantized weight.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8 import (FP8Format, FP8Weight, WeightStrategy, dynamic_token_scale, fake_quantize_activation,
-                  fp8_dtype, quantize_activation)
-
-ActivationMode = Literal["dynamic", "static", "none"]  # none: FP8 weights, 16-bit activations
-
+from lowbit.quantize.grids.fp8 import (ActivationMode, FP8Format, FP8Scheme, FP8Weight, WeightStrategy,
+                                       dynamic_token_scale, fake_quantize_activation, fp8_dtype,
+                                       quantize_activation)
+from lowbit.quantize.grids.linear import LinearScheme
 
 class FP8Linear(nn.Module):
     kernel = None  # a CPU kernel attached by quantize.backends.prepare(), else None
@@ -55,6 +54,9 @@ class FP8Linear(nn.Module):
 
     def fp8_weight(self) -> FP8Weight:
         return FP8Weight(self.weight, self.weight_scale, self.fmt, self.weight_strategy, self.block_size)
+
+    def linear_scheme(self) -> LinearScheme:
+        return LinearScheme(FP8Scheme(self.fmt, self.weight_strategy, self.block_size), self.activations)
 
     def input_scale_for(self, x: torch.Tensor) -> torch.Tensor:
         """The activation scale: per token (dynamic) or the calibrated scalar (static)."""

@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.calibrate.arch import SmoothPair, is_linear
+from lowbit.calibrate.arch import SmoothPair, is_linear, linear_weight
 
 
 def prev_channels(prev: nn.Module) -> int:
     """How many channels prev outputs, i.e. the length of a scale folded into it."""
     if is_linear(prev):
-        return weight_out_in(prev).shape[0]
+        return linear_weight(prev).shape[0]
     weight = getattr(prev, "weight", None)
     if weight is None or weight.dim() != 1:
         raise TypeError(f"{type(prev).__name__} is neither a linear nor a norm with a 1-d weight")
@@ -35,7 +35,7 @@ def follower_index(layer: nn.Module, linear_name: str, channels: int) -> torch.T
     The identity unless in_features is a multiple of `channels` (GQA: v heads repeated for o_proj);
     then the head size comes from the attention module that owns the linear (its `head_dim`).
     """
-    in_features = weight_out_in(layer.get_submodule(linear_name)).shape[1]
+    in_features = linear_weight(layer.get_submodule(linear_name)).shape[1]
     if in_features == channels:
         return torch.arange(channels)
     owner_name = linear_name.rpartition(".")[0]
@@ -78,18 +78,13 @@ def fold_scale(layer: nn.Module, pair: SmoothPair, scale: torch.Tensor, norm_off
         _scale_norm(prev, 1.0 / scale, norm_offset)
 
 
-def weight_out_in(module: nn.Module) -> torch.Tensor:
-    """An (out, in) view of the weight (GPT-2's Conv1D stores (in, out))."""
-    return module.weight.data if isinstance(module, nn.Linear) else module.weight.data.t()
-
-
 def _scale_input_columns(linear: nn.Module, s: torch.Tensor) -> None:
-    w = weight_out_in(linear)  # a view: scaling it scales the module's weight
+    w = linear_weight(linear)  # a view: scaling it scales the module's weight
     w.mul_(s.to(w.device, w.dtype).unsqueeze(0))
 
 
 def _scale_output_rows(linear: nn.Module, s: torch.Tensor) -> None:
-    w = weight_out_in(linear)
+    w = linear_weight(linear)
     w.mul_(s.to(w.device, w.dtype).unsqueeze(1))
     if linear.bias is not None:
         linear.bias.data.mul_(s.to(linear.bias.device, linear.bias.dtype))

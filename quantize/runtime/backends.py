@@ -25,9 +25,11 @@ from torch import nn
 
 from lowbit.calibrate.hardware import cpu_info
 
-from . import cpu_kernels, cuda_kernels
-from .fp8_linear import FP8Linear
-from .qlinear import QuantLinear
+from lowbit.quantize.runtime import cpu_kernels
+
+from lowbit.quantize.runtime import cuda_kernels
+from lowbit.quantize.runtime.fp8_linear import FP8Linear
+from lowbit.quantize.runtime.qlinear import QuantLinear
 
 Backend = Literal["reference", "auto", "cpu_avx512", "cpu_avx2", "cuda_int4", "cuda_int8"]
 BACKENDS = get_args(Backend)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from lowbit.calibrate.cache import cache_dir
 from lowbit.calibrate.hardware import ISAS, cpu_info
 
-from .fp8 import quantize_activation
+from lowbit.quantize.grids.fp8 import quantize_activation
 
 CSRC = Path(__file__).with_name("csrc")
 HEADERS = [CSRC / "gemv_common.h"]

@@ -14,7 +14,25 @@ import torch
 FP8Format = Literal["e4m3", "e5m2"]  # e4m3: more precision (weights, activations); e5m2: more range
 WeightStrategy = Literal["tensor", "channel", "block"]
 
+ActivationMode = Literal["dynamic", "static", "none"]  # per token at run time | calibrated per tensor | 16-bit
+
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class FP8Scheme:
+    """How a weight maps onto an FP8 grid: the format and what one scale covers."""
+
+    format: FP8Format = "e4m3"  # e4m3 for weights and activations; e5m2 trades precision for range
+    strategy: WeightStrategy = "channel"  # tensor | channel | block
+    block_size: int = 128  # strategy block: b x b tiles with one scale each (DeepSeek-V3 style)
+
+    def __post_init__(self):
+        fp8_dtype(self.format)  # raises on an unknown format
+        if self.strategy not in ("tensor", "channel", "block"):
+            raise ValueError(f"strategy must be one of tensor, channel, block; got {self.strategy!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
 
 
 def fp8_dtype(fmt: FP8Format) -> torch.dtype:

@@ -16,21 +16,22 @@ from typing import Optional
 
 import torch
 
-from lowbit.calibrate.arch import is_linear
+from lowbit.calibrate.arch import is_linear, linear_weight
 from lowbit.calibrate.walker import LayerInputs, first_output, layer_forward, record_linear_inputs, walk
 
-from .fold import fold_scale, follower_index, weight_out_in
-from .primitives import IntScheme, check_group_size, fake_quantize, grouped, scale_zero_from_range
-from .smoothing import pair_index, to_prev, token_stride, weight_quantizer
-from .step import StepContext
-from .targets import is_ignored
+from lowbit.quantize.steps.fold import fold_scale, follower_index
+from lowbit.quantize.grids.integer import IntScheme, check_group_size, fake_quantize, grouped, scale_zero_from_range
+from lowbit.quantize.steps.smoothing import pair_index, to_prev, token_stride, weight_quantizer
+from lowbit.quantize.steps.context import StepContext
+from lowbit.quantize.steps.spec import StepSpec
+from lowbit.quantize.targets import is_ignored
 
 
 @dataclass(frozen=True)
 class AWQConfig:
-    bits: int = 4  # the weight grid the searches assume: match the weight step that follows
-    symmetric: bool = True  # AWQ usually quantizes asymmetrically (zero point): recipes say so
-    group_size: Optional[int] = 128  # None: per-channel
+    # the weight grid the searches assume: the weight step after it must write this grid (AWQ
+    # usually quantizes asymmetrically, with a zero point: recipes say so)
+    scheme: IntScheme = IntScheme(4, True, "group", 128)
     grid: int = 20  # scale exponents r = 0, 1/grid, ..., (grid-1)/grid
     duo_scaling: bool = True  # divide by weight magnitude^(1-r) too, not only activations^r
     clip: bool = True
@@ -46,16 +47,13 @@ class AWQConfig:
     clip_tokens: Optional[int] = None
 
     def __post_init__(self):
-        self.scheme  # validates bits / group_size
+        if self.scheme.strategy == "tensor":
+            raise ValueError("awq searches per-channel or per-group scales; scheme strategy tensor "
+                             "is not supported (use channel or group)")
         if self.grid < 1 or self.clip_grid < 1 or not 0.0 <= self.max_shrink < 1.0:
             raise ValueError("grid and clip_grid must be >= 1 and max_shrink in [0, 1)")
         if self.clip_tokens is not None and self.clip_tokens < 1:
             raise ValueError(f"clip_tokens must be >= 1 or null (all tokens), got {self.clip_tokens}")
-
-    @property
-    def scheme(self) -> IntScheme:
-        strategy = "group" if self.group_size else "channel"
-        return IntScheme(self.bits, self.symmetric, strategy, self.group_size)
 
 
 def weight_magnitude(weights: list[torch.Tensor], scheme: IntScheme) -> torch.Tensor:
@@ -191,7 +189,7 @@ class BlockError:
         self.masks = [None if m is None else m.to(device) for m in masks]
         channels, _ = pair_index(layer, pair)
         self.index = {n: follower_index(layer, n, channels) for n in pair.linears}
-        self.original = {n: weight_out_in(layer.get_submodule(n)).clone() for n in pair.linears}
+        self.original = {n: linear_weight(layer.get_submodule(n)).clone() for n in pair.linears}
 
     def _recorder(self, name):
         def hook(module, args, kwargs, output):
@@ -210,7 +208,7 @@ class BlockError:
     def __call__(self, scale: torch.Tensor) -> float:
         for name, w in self.original.items():
             s = scale[self.index[name]].to(w.device, w.dtype).unsqueeze(0)
-            weight_out_in(self.layer.get_submodule(name)).copy_(self.quant(w * s) / s)
+            linear_weight(self.layer.get_submodule(name)).copy_(self.quant(w * s) / s)
         try:
             total = 0.0
             for name in self.targets:
@@ -224,7 +222,7 @@ class BlockError:
 
     def restore(self) -> None:
         for name, w in self.original.items():
-            weight_out_in(self.layer.get_submodule(name)).copy_(w)
+            linear_weight(self.layer.get_submodule(name)).copy_(w)
 
 
 def scale_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig, ignore) -> dict:
@@ -263,7 +261,7 @@ def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig,
 
     record_linear_inputs(layer, names, inputs, device, update)
     for name in names:
-        w = weight_out_in(layer.get_submodule(name))  # a view: copying into it updates the module
+        w = linear_weight(layer.get_submodule(name))  # a view: copying into it updates the module
         clipped = search_clip(w.float().cpu(), grams[name].result(), cfg.scheme, cfg)
         w.copy_(clipped.to(w.device, w.dtype))
     return names
@@ -275,7 +273,7 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
                          "(an unknown architecture?); add its row to calibrate/arch.py")
     layer0 = ctx.model.get_submodule(f"{ctx.arch.layers}.0")
     for name in ctx.arch.linears:
-        check_group_size(cfg.scheme, weight_out_in(layer0.get_submodule(name)).shape[1], f"{ctx.arch.layers}.0.{name}")
+        check_group_size(cfg.scheme, linear_weight(layer0.get_submodule(name)).shape[1], f"{ctx.arch.layers}.0.{name}")
 
     def on_layer(i, prefix, layer, inputs):
         sample = leading_sequences(inputs, cfg.max_tokens)
@@ -288,3 +286,8 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
     return {"scaled_pairs": [p.prev for p in ctx.arch.smooth],
             "scale_ratio": [r["ratios"] for r in per_layer],
             "clipped": sorted({n for r in per_layer for n in r["clipped"]})}
+
+
+SPEC = StepSpec("awq", AWQConfig, apply,
+                "activation-aware weight scaling and clipping (folds scales; a later step quantizes)",
+                searches=lambda cfg: cfg.scheme)

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 from lowbit.calibrate.observers import linear_input_absmax
 
-from .activation import InputQuant, product_path, static_scale_from_absmax
-from .qlinear import QuantLinear
-from .step import StepContext
-from .targets import is_ignored
+from lowbit.quantize.grids.inputs import InputQuant, static_scale_from_absmax
+from lowbit.quantize.runtime.int8_inputs import product_path
+from lowbit.quantize.runtime.qlinear import QuantLinear
+from lowbit.quantize.steps.context import StepContext
+from lowbit.quantize.steps.spec import StepSpec
+from lowbit.quantize.targets import is_ignored
 
 
 @dataclass(frozen=True)
@@ -50,3 +52,8 @@ def apply(ctx: StepContext, cfg: InputQuantConfig) -> dict:
     print(f"[quantize_inputs] W8A8 products: {path}", file=sys.stderr)
     return {"inputs_quantized": list(modules), "input_scheme": "per-token dynamic" if cfg.dynamic
             else "per-tensor static", "matmul": path}
+
+
+SPEC = StepSpec("quantize_inputs", InputQuantConfig, apply,
+                "INT8 input quantization of the quantized linears (W8A8 after an int8 weight step)",
+                adds_inputs=lambda cfg: InputQuant(cfg.bits, cfg.dynamic))

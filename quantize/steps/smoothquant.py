@@ -13,11 +13,12 @@ import torch
 
 from lowbit.calibrate.walker import record_linear_inputs, walk
 
-from .fold import fold_scale
-from .primitives import IntScheme
-from .smoothing import (InputCollector, PairError, pair_index, pair_weights, per_token_int8,
+from lowbit.quantize.steps.fold import fold_scale
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.steps.smoothing import (InputCollector, PairError, pair_index, pair_weights, per_token_int8,
                         to_prev, token_stride, weight_quantizer)
-from .step import StepContext
+from lowbit.quantize.steps.context import StepContext
+from lowbit.quantize.steps.spec import StepSpec
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,8 @@ class SmoothQuantConfig:
     alpha: float = 0.5  # migration strength: 0 leaves activations as they are, 1 flattens them fully
     # when non-empty, each pair picks the alpha from this grid with the smallest W8A8 output error
     alpha_grid: tuple[float, ...] = ()
-    weight_bits: int = 8  # the grid the search assumes (per-channel symmetric weights)
+    # the weight grid the alpha search assumes: the weight step after it must write this grid
+    scheme: IntScheme = IntScheme(8, True, "channel")
     max_tokens: int = 2048  # tokens per pair kept for the alpha search
 
     def __post_init__(self):
@@ -60,7 +62,7 @@ def smooth_layer(layer, arch, inputs, device, cfg: SmoothQuantConfig) -> dict:
                   for p in arch.smooth}
     record_linear_inputs(layer, list(collectors), inputs, device,
                          lambda name, x: collectors[name].update(x))
-    quant_w = weight_quantizer(IntScheme(cfg.weight_bits, strategy="channel"))
+    quant_w = weight_quantizer(cfg.scheme)
     chosen = {}
     for pair in arch.smooth:
         stats = collectors[pair.linears[0]].result()
@@ -82,3 +84,8 @@ def apply(ctx: StepContext, cfg: SmoothQuantConfig) -> dict:
                   device=ctx.device, label="smoothquant", store=ctx.layer_store)
     return {"smoothed_pairs": [p.prev for p in ctx.arch.smooth], "alpha": cfg.alpha,
             "alphas_chosen": alphas if cfg.alpha_grid else None}
+
+
+SPEC = StepSpec("smoothquant", SmoothQuantConfig, apply,
+                "migrate activation outliers into the weights (folds scales; quantizes nothing)",
+                searches=lambda cfg: cfg.scheme if cfg.alpha_grid else None)

@@ -12,12 +12,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from lowbit.calibrate.arch import SmoothPair
+from lowbit.calibrate.arch import SmoothPair, linear_weight
 from lowbit.calibrate.observers import ChannelAbsMax
 from lowbit.calibrate.walker import LayerInputs
 
-from .fold import weight_out_in, follower_index, prev_channels, reduce_to_prev
-from .primitives import IntScheme, compute_scale_zero, dequantize_codes, quantize_codes
+from lowbit.quantize.steps.fold import follower_index, prev_channels, reduce_to_prev
+from lowbit.quantize.grids.inputs import InputQuant, per_token_scale
+from lowbit.quantize.grids.integer import IntScheme, compute_scale_zero, dequantize_codes, quantize_codes
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]  # float tensor -> fake-quantized float tensor
 
@@ -72,7 +73,7 @@ def first_micro_batches(inputs: LayerInputs, max_tokens: int) -> LayerInputs:
 
 def pair_weights(layer: nn.Module, pair: SmoothPair) -> list[torch.Tensor]:
     """Float (out, in) weights of the pair's linears (CPU copies: the searches run on CPU)."""
-    return [weight_out_in(layer.get_submodule(n)).float().cpu().clone() for n in pair.linears]
+    return [linear_weight(layer.get_submodule(n)).float().cpu().clone() for n in pair.linears]
 
 
 def pair_index(layer: nn.Module, pair: SmoothPair) -> tuple[int, torch.Tensor]:
@@ -94,10 +95,10 @@ def weight_quantizer(scheme: IntScheme) -> Quantizer:
 
 
 def per_token_int8(x: torch.Tensor) -> torch.Tensor:
-    """Fake-quantize activations the way QuantLinear's dynamic per-token path does."""
-    s = x.abs().amax(dim=-1, keepdim=True) / 127
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.round(x / s).clamp(-128, 127) * s
+    """Fake-quantize activations the way QuantLinear's dynamic per-token path does (its grid)."""
+    iq = InputQuant(8, dynamic=True)
+    s = per_token_scale(x.reshape(-1, x.shape[-1]), iq.qmax).reshape(*x.shape[:-1], 1)
+    return torch.round(x / s).clamp(-iq.qmax - 1, iq.qmax) * s
 
 
 class PairError:

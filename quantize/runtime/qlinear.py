@@ -5,9 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .activation import InputQuant, quantized_input_linear
-from .primitives import IntScheme
-from .weight import QuantizedWeight
+from lowbit.quantize.grids.inputs import InputQuant
+from lowbit.quantize.runtime.int8_inputs import quantized_input_linear
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.linear import LinearScheme
+from lowbit.quantize.grids.quantized_weight import QuantizedWeight
 
 
 class QuantLinear(nn.Module):
@@ -48,6 +50,9 @@ class QuantLinear(nn.Module):
         g_idx = None if self.weight_g_idx is None else self.weight_g_idx.long()
         return QuantizedWeight(self.weight_codes, self.weight_scale, self.weight_zero, self.scheme, g_idx)
 
+    def linear_scheme(self) -> LinearScheme:
+        return LinearScheme(self.scheme, self.input_quant)
+
     def dequantized_weight(self) -> torch.Tensor:
         return self.quantized_weight().dequantize()
 
@@ -68,12 +73,3 @@ class QuantLinear(nn.Module):
             act = f", input int{self.input_quant.bits} {'per-token' if self.input_quant.dynamic else 'static'}"
         return (f"in={self.in_features}, out={self.out_features}, int{s.bits}, "
                 f"{'sym' if s.symmetric else 'asym'}, {s.strategy}{group}{act}")
-
-
-def linear_weight(module: nn.Module) -> torch.Tensor:
-    """The (out, in) weight of an nn.Linear or a GPT-2 Conv1D (which stores (in, out))."""
-    if isinstance(module, nn.Linear):
-        return module.weight.data
-    if type(module).__name__ == "Conv1D":
-        return module.weight.data.t()
-    raise TypeError(f"{type(module).__name__} is not a linear layer")

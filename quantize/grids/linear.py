@@ -1,0 +1,43 @@
+"""What one quantized linear holds: its weight grid and how its inputs are quantized.
+
+The steps say which LinearScheme they leave on each linear they target; the runtime modules say
+which one they hold; the audit compares the two.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from lowbit.quantize.grids.fp8 import ActivationMode, FP8Scheme
+from lowbit.quantize.grids.inputs import InputQuant
+from lowbit.quantize.grids.integer import IntScheme
+
+WeightGrid = Union[IntScheme, FP8Scheme]
+
+
+@dataclass(frozen=True)
+class LinearScheme:
+    weights: WeightGrid
+    # IntScheme weights: an InputQuant, or None (16-bit inputs); FP8Scheme weights: the FP8
+    # activation mode (dynamic, static or none)
+    inputs: Union[InputQuant, ActivationMode, None] = None
+
+    def __post_init__(self):
+        fp8 = isinstance(self.weights, FP8Scheme)
+        if fp8 != isinstance(self.inputs, str) or (not fp8 and not isinstance(self.inputs, (InputQuant, type(None)))):
+            raise ValueError(f"{type(self.weights).__name__} weights cannot take inputs {self.inputs!r}")
+
+    def describe(self) -> str:
+        if isinstance(self.weights, IntScheme):
+            return describe_int(self.weights, self.inputs)
+        return describe_fp8(self.weights, self.inputs)
+
+
+def describe_int(s: IntScheme, inputs: Optional[InputQuant] = None) -> str:
+    group = f" {s.group_size}" if s.group_size else ""
+    act = "" if inputs is None else f" + int{inputs.bits} {'per-token' if inputs.dynamic else 'static'} inputs"
+    return f"int{s.bits} {'sym' if s.symmetric else 'asym'} {s.strategy}{group}{act}"
+
+
+def describe_fp8(s: FP8Scheme, activations: ActivationMode) -> str:
+    return f"fp8 {s.format} {s.strategy}, activations {activations}"

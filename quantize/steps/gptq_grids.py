@@ -1,0 +1,93 @@
+"""The grids GPTQ's column sweep rounds onto: scales fixed before the sweep (per channel, per group,
+FP8 per element) or group scales computed when the sweep reaches each group (act-order groups)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lowbit.quantize.grids.fp8 import FP8Format, saturating_cast
+from lowbit.quantize.grids.integer import IntScheme, compute_scale_zero, fake_quantize, grouped, scale_zero_from_range
+from lowbit.quantize.grids.scale_search import search_scale_zero
+
+
+class FP8ColumnGrid:
+    """Per-element FP8 scales (rows, cols) in processing order, fixed before GPTQ runs."""
+
+    def __init__(self, scale: torch.Tensor, fmt: FP8Format):
+        self.scale_t, self.fmt = scale.t(), fmt  # a column's scales: one row here (a view, no copy)
+
+    def begin(self, j: int, Wt_rest: torch.Tensor) -> None:
+        pass
+
+    def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
+        s = self.scale_t[j]
+        return saturating_cast(w / s, self.fmt).float() * s
+
+
+class FixedColumnGrid:
+    """Scales fixed before GPTQ runs (per channel, or per group of the original column order)."""
+
+    def __init__(self, W: torch.Tensor, perm: Optional[torch.Tensor], scheme: IntScheme,
+                 importance: Optional[torch.Tensor] = None):
+        self.scheme = scheme
+        inverse = None if perm is None else torch.argsort(perm)
+        original = W if perm is None else W[:, inverse]
+        if importance is None:
+            self.scale, self.zero = compute_scale_zero(original, scheme)  # (rows, G)
+        else:
+            weight = importance if perm is None else importance[inverse]
+            groups = grouped(original, scheme)  # (rows, G, group)
+            self.scale, self.zero = search_scale_zero(groups, grouped(weight[None], scheme)[0], scheme)
+        group = torch.zeros(W.shape[1], dtype=torch.long, device=W.device)
+        if scheme.strategy == "group":
+            order = perm if perm is not None else torch.arange(W.shape[1], device=W.device)
+            group = order // scheme.group_size
+        self.column_group = group  # processing position -> group index
+        self._groups = group.tolist()  # plain ints: cheap to index in the per-column loop
+
+    def begin(self, j: int, Wt_rest: torch.Tensor) -> None:
+        pass
+
+    def column(self, j: int):
+        g = self._groups[j]
+        return self.scale[:, g], None if self.zero is None else self.zero[:, g]
+
+    def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
+        return fake_quantize(w, *self.column(j), self.scheme.qmin, self.scheme.qmax)
+
+    def result(self):
+        return self.scale.float(), self.zero
+
+
+class LazyColumnGrid:
+    """Group scales computed when GPTQ reaches a group, from the already-updated weights."""
+
+    def __init__(self, rows: int, cols: int, scheme: IntScheme, device, importance=None):
+        self.scheme, self.size, self.importance = scheme, scheme.group_size, importance
+        self.scale = torch.ones(rows, cols // self.size, device=device)
+        self.zero = None if scheme.symmetric else torch.zeros(rows, cols // self.size, device=device)
+        self.column_group = torch.arange(cols, device=device) // self.size
+
+    def begin(self, j: int, Wt_rest: torch.Tensor) -> None:
+        if j % self.size == 0:  # Wt_rest: (columns from j on, rows), current values
+            g = Wt_rest[: self.size]
+            if self.importance is None:
+                scale, zero = scale_zero_from_range(g.amin(dim=0), g.amax(dim=0), self.scheme)
+            else:
+                weight = self.importance[j : j + self.size]
+                scale, zero = search_scale_zero(g.t()[:, None], weight[None], self.scheme)
+                scale, zero = scale[:, 0], None if zero is None else zero[:, 0]
+            self.scale[:, j // self.size] = scale
+            if zero is not None:
+                self.zero[:, j // self.size] = zero
+
+    def column(self, j: int):
+        g = j // self.size
+        return self.scale[:, g], None if self.zero is None else self.zero[:, g]
+
+    def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
+        return fake_quantize(w, *self.column(j), self.scheme.qmin, self.scheme.qmax)
+
+    def result(self):
+        return self.scale, self.zero

@@ -1,0 +1,99 @@
+"""The layer walk that Hessian-based steps share (gptq, fp8 with GPTQ rounding): per decoder layer
+and linear group, record the inputs' Hessians, let the step solve, replace the linears, feed the
+quantized layer's outputs to the next one."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lowbit.calibrate.hardware import cpu_info
+from lowbit.calibrate.walker import record_linear_inputs, walk
+from lowbit.quantize.steps.context import StepContext
+from lowbit.quantize.steps.gptq_solver import HessianAccumulator
+from lowbit.quantize.targets import replace_module
+
+if TYPE_CHECKING:
+    from lowbit.quantize.steps.gptq import GPTQConfig
+
+
+def resolve_forward_dtype(name: str, device) -> torch.dtype:
+    """The dtype `auto` stands for on this device. On a CPU calibrate.hardware decides (not
+    torch's mkldnn check, which says yes on any AVX-512 CPU, where bf16 may be emulated)."""
+    if name != "auto":
+        return getattr(torch, name)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu" and cpu_info().bf16_native:
+        return torch.bfloat16
+    return torch.float32
+
+
+def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve) -> tuple[list[dict], str]:
+    """Walk the decoder layers; per linear group, record its inputs' Hessians and call
+    solve(prefix, layer, names sharing one input, H, stats) -> {name: replacement module}.
+    The layer's linears are replaced once all its groups are solved, and its quantized outputs
+    feed the next layer. With cfg.true_sequential, solve must also write the rounded values into
+    the float linears, so that later groups record what they will see (as _solve_shared does).
+    Returns the per-layer records and the forwards' dtype."""
+
+    def on_layer(i, prefix, layer, inputs):
+        start = time.perf_counter()
+        names = [n for n in ctx.arch.linears if f"{prefix}.{n}" in targets.linears]
+        groups = [[n for n in g if n in names] for g in ctx.arch.groups] if cfg.true_sequential else [names]
+        stats: dict = {}
+        solved: dict[str, nn.Module] = {}
+        for group in filter(None, groups):
+            hessians, sharing = _collect_hessians(layer, group, inputs, ctx.device)
+            for lead, members in sharing.items():
+                solved.update(solve(prefix, layer, members, hessians.pop(lead).H, stats))
+        for name, module in solved.items():
+            replace_module(layer, name, module)
+        return {"layer": prefix, "seconds": round(time.perf_counter() - start, 3),
+                "linears": {f"{prefix}.{n}": s for n, s in stats.items()}}
+
+    forward_dtype = resolve_forward_dtype(cfg.forward_dtype, ctx.device)
+    name = str(forward_dtype).removeprefix("torch.")
+    device = torch.device(ctx.device)
+    where = f"CPU: {cpu_info().describe()}" if device.type == "cpu" else str(device)
+    print(f"[gptq] forward dtype {name} ({cfg.forward_dtype} on {where})", file=sys.stderr)
+    layers = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="gptq",
+                  micro_batch=cfg.micro_batch, forward_dtype=forward_dtype, final_outputs=False,
+                  store=ctx.layer_store)
+    return list(layers), name
+
+
+def linear_stats(row_loss: torch.Tensor, dampening_frac: float, retries: int, seconds: float) -> dict:
+    """One linear's record in a layer's "linears" (damping_retries and the report read it)."""
+    return {"loss": float(row_loss.sum()), "dampening_frac": dampening_frac, "retries": retries,
+            "seconds": round(seconds, 4)}
+
+
+def damping_retries(layers) -> list[dict]:
+    return [{"linear": n, "dampening_frac": s["dampening_frac"]}
+            for layer in layers for n, s in layer["linears"].items() if s["retries"]]
+
+
+def _collect_hessians(layer: nn.Module, names: list[str], inputs, device):
+    """Hessians of the named linears' inputs, one per distinct input; and lead -> names sharing it."""
+    hessians: dict[str, HessianAccumulator] = {}
+    sharing: dict[str, list[str]] = {}
+    last = {"x": None, "lead": None}
+
+    def record(name: str, x2d: torch.Tensor) -> None:
+        if x2d is last["x"]:  # the walker hands linears fed the same tensor the same object
+            if name not in sharing[last["lead"]]:
+                sharing[last["lead"]].append(name)
+            return
+        if name not in hessians:
+            hessians[name] = HessianAccumulator(x2d.shape[1], device=x2d.device)
+            sharing[name] = [name]
+        hessians[name].add(x2d)
+        last["x"], last["lead"] = x2d, name
+
+    record_linear_inputs(layer, names, inputs, device, record)
+    return hessians, sharing

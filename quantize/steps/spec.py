@@ -1,0 +1,35 @@
+"""StepSpec: what a recipe step is and what it leaves on the model, asked by the recipe loader,
+the audit, the memory model and the report (never an isinstance chain or a step's name).
+
+Each algorithm's file defines its config, its apply() and one SPEC; registry.py lists them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from lowbit.quantize.grids.inputs import InputQuant
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.kv import KVCacheConfig
+from lowbit.quantize.grids.linear import LinearScheme
+from lowbit.quantize.steps.context import StepContext
+
+
+def _nothing(cfg) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    name: str  # the key a recipe lists it under
+    config: type  # frozen dataclass of the step's options, validated on load
+    apply: Callable[[StepContext, Any], dict]  # changes ctx.model; returns the step's record
+    summary: str  # one line for `lowbit recipes` and the docs
+    # the scheme every linear the step targets is left with (weight steps), else None
+    writes: Callable[[Any], Optional[LinearScheme]] = _nothing
+    # input quantization added to the integer linears already quantized (quantize_inputs)
+    adds_inputs: Callable[[Any], Optional[InputQuant]] = _nothing
+    # the KV-cache format the model runs with afterwards
+    kv_cache: Callable[[Any], Optional[KVCacheConfig]] = _nothing
+    # the weight grid a scale search assumes (awq, smoothquant): the next weight step must write it
+    searches: Callable[[Any], Optional[IntScheme]] = _nothing
