@@ -1,7 +1,9 @@
 """Where lowbit keeps what it derives once: built-in models, corpora, baseline figures."""
 from __future__ import annotations
 
+import fcntl
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -10,3 +12,15 @@ def cache_dir(*parts: str) -> Path:
     path = root.joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextmanager
+def exclusive(path: Path):
+    """Hold an exclusive fcntl lock on `path` for the block, waiting for another holder to finish.
+    The operating system releases it when its process ends, however it ends."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -23,12 +23,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from lowbit.calibrate.cache import cache_dir
+from lowbit.calibrate.cache import cache_dir, exclusive
 from lowbit.calibrate.hardware import ISAS, cpu_info
 
 from lowbit.quantize.grids.fp8 import quantize_activation
 
 CSRC = Path(__file__).with_name("csrc")
+BUILD_LOCK = ".lowbit-build.lock"  # held (fcntl) while one process builds a kernel module
 HEADERS = [CSRC / "gemv_common.h"]
 COMMON_FLAGS = ["-O3", "-fopenmp"]
 VARIANTS = {  # variant -> (sources, the only instruction-set flags its module is compiled with)
@@ -81,8 +82,13 @@ def _build(variant: str):
     digest = hashlib.sha256(code + " ".join(flags).encode()).hexdigest()[:12]
     name = f"lowbit_gemv_{variant}_{digest}"  # a new source or flags is a new module, never a stale one
     build_dir = cache_dir("kernels", f"torch{torch.__version__}", name)
-    return load_extension(name, [str(p) for p in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                          build_directory=str(build_dir), verbose=False)
+    with exclusive(build_dir / BUILD_LOCK):
+        # torch's own build lock is a plain file (`lock`): a build killed mid-way (Ctrl-C, SIGKILL)
+        # leaves it behind and every later load waits on it forever. Under our lock, which the OS
+        # drops with its process, nobody else is building: a `lock` file here is such a leftover.
+        (build_dir / "lock").unlink(missing_ok=True)
+        return load_extension(name, [str(p) for p in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                              build_directory=str(build_dir), verbose=False)
 
 
 def pack_int4(codes: torch.Tensor, block: int = 32) -> torch.Tensor:
