@@ -48,9 +48,9 @@ def file_hashes(folder: Path) -> dict[str, str]:
             for p in sorted(folder.iterdir()) if p.name not in UNHASHED}
 
 
-def run_recipe(name: str, model_dir: Path, out: Path, capsys) -> dict:
-    """The recipe's outcome: checkpoint digest and perplexity, or the error it stops with."""
-    code = main(["run", name, "--model", str(model_dir), "--output", str(out), *[f"--set={s}" for s in SMALL]])
+def run_recipe(name: str, model: str, out: Path, capsys) -> dict:
+    """The recipe's outcome: checkpoint file hashes and perplexity, or the error it stops with."""
+    code = main(["run", name, "--model", model, "--output", str(out), *[f"--set={s}" for s in SMALL]])
     err = capsys.readouterr().err
     if code != 0:
         return {"error": err.strip().splitlines()[-1]}
@@ -59,8 +59,12 @@ def run_recipe(name: str, model_dir: Path, out: Path, capsys) -> dict:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+def root(tmp_path_factory):
+    """A folder holding the tiny model as `tiny-llama`: runs name it by that relative path, as the
+    model card quotes the model's name (an absolute temporary path would change every session)."""
+    folder = tmp_path_factory.mktemp("pins")
+    save_tiny_llama(folder / "tiny-llama")
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +76,9 @@ def pins():
 
 
 @pytest.mark.parametrize("name", sorted(shipped_recipes()))
-def test_shipped_recipe_writes_its_pinned_checkpoint(name, model_dir, pins, tmp_path, capsys):
-    outcome = run_recipe(name, model_dir, tmp_path / name, capsys)
+def test_shipped_recipe_writes_its_pinned_checkpoint(name, root, pins, monkeypatch, capsys):
+    monkeypatch.chdir(root)
+    outcome = run_recipe(name, "tiny-llama", Path("runs") / name, capsys)
     if RECORD:
         pins[name] = outcome
         return

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
 
 from lowbit.calibrate.arch import linear_weight
 from lowbit.calibrate.progress import Progress
@@ -12,7 +15,7 @@ from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.spec import StepSpec
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.targets import replace_module, select_targets
-from lowbit.quantize.grids.quantized_weight import quantize_rtn
+from lowbit.quantize.grids.quantized_weight import QuantizedWeight, quantize_rtn
 
 @dataclass(frozen=True)
 class RTNConfig:
@@ -20,13 +23,19 @@ class RTNConfig:
 
 
 def apply(ctx: StepContext, cfg: RTNConfig) -> dict:
+    return quantize_each(ctx, cfg.scheme, lambda w: quantize_rtn(w, cfg.scheme), "rtn")
+
+
+def quantize_each(ctx: StepContext, scheme: IntScheme, quantize: Callable[[torch.Tensor], QuantizedWeight],
+                  label: str) -> dict:
+    """Replace every targeted linear by QuantLinear(quantize(its (out, in) weight)): the loop of
+    every data-free weight step. Group sizes are checked for all linears before any is changed."""
     targets = select_targets(ctx.model, ctx.arch, ctx.ignore)
     for name, module in targets.linears.items():
-        check_group_size(cfg.scheme, linear_weight(module).shape[1], name)
-    progress = Progress("rtn", len(targets.linears), "linears")
+        check_group_size(scheme, linear_weight(module).shape[1], name)
+    progress = Progress(label, len(targets.linears), "linears")
     for name, module in targets.linears.items():
-        qw = quantize_rtn(linear_weight(module), cfg.scheme)
-        replace_module(ctx.model, name, QuantLinear.from_quantized(qw, module.bias))
+        replace_module(ctx.model, name, QuantLinear.from_quantized(quantize(linear_weight(module)), module.bias))
         progress.step()
     return {"quantized": list(targets.linears), "ignored": targets.ignored}
 
