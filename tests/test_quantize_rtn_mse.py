@@ -11,7 +11,7 @@ from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
 from lowbit.quantize.steps.rtn_mse import RTNMSEConfig, quantize_mse
 from lowbit.recipes.audit import audit_run
-from lowbit.recipes.schema import load_recipe
+from lowbit.recipes.schema import parse_recipe
 
 G64 = IntScheme(4, True, "group", 64)
 
@@ -33,8 +33,8 @@ def test_every_group_is_at_least_as_good_as_rtn_and_outliers_make_it_better(sche
     assert mse.codes.min() >= scheme.qmin and mse.codes.max() <= scheme.qmax
 
 
-def test_the_shipped_recipe_quantizes_every_targeted_linear_and_passes_the_audit():
-    recipe = load_recipe("w4a16-rtn-mse", ("scheme.group_size=32",))
+def test_a_recipe_step_quantizes_every_targeted_linear_and_passes_the_audit():
+    recipe = parse_recipe({"scheme": {"bits": 4, "strategy": "group", "group_size": 32}, "steps": ["rtn_mse"]}, "test")
     model = make_tiny_model("llama")
     arch = arch_for(model)
     ctx = StepContext(model, arch, recipe.ignore, lambda: pytest.fail("rtn_mse needs no data"))
