@@ -15,12 +15,11 @@ import torch
 from torch import nn
 
 from lowbit.calibrate.arch import Arch, arch_for, is_linear, target_linears
-
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.kv import KVCacheConfig
+from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.runtime.fp8_linear import FP8Linear
 from lowbit.quantize.runtime.kv_cache import SCALE_NAMES, attention_modules
-from lowbit.quantize.grids.kv import KVCacheConfig
-from lowbit.quantize.grids.integer import IntScheme
-from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.targets import is_ignored
 

@@ -24,10 +24,7 @@ import torch
 from torch import nn
 
 from lowbit.calibrate.hardware import cpu_info
-
-from lowbit.quantize.runtime import cpu_kernels
-
-from lowbit.quantize.runtime import cuda_kernels
+from lowbit.quantize.runtime import cpu_kernels, cuda_kernels
 from lowbit.quantize.runtime.fp8_linear import FP8Linear
 from lowbit.quantize.runtime.qlinear import QuantLinear
 

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from lowbit.calibrate.cache import cache_dir, exclusive
 from lowbit.calibrate.hardware import ISAS, cpu_info
-
 from lowbit.quantize.grids.fp8 import quantize_activation
 
 CSRC = Path(__file__).with_name("csrc")

@@ -18,10 +18,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit.quantize.grids.fp8 import (ActivationMode, FP8Format, FP8Scheme, FP8Weight, WeightStrategy,
-                                       dynamic_token_scale, fake_quantize_activation, fp8_dtype,
-                                       quantize_activation)
+from lowbit.quantize.grids.fp8 import (
+    ActivationMode,
+    FP8Format,
+    FP8Scheme,
+    FP8Weight,
+    WeightStrategy,
+    dynamic_token_scale,
+    fake_quantize_activation,
+    fp8_dtype,
+    quantize_activation,
+)
 from lowbit.quantize.grids.linear import LinearScheme
+
 
 class FP8Linear(nn.Module):
     kernel = None  # a CPU kernel attached by quantize.backends.prepare(), else None

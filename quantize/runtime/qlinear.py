@@ -6,10 +6,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.quantize.grids.inputs import InputQuant
-from lowbit.quantize.runtime.int8_inputs import quantized_input_linear
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.grids.quantized_weight import QuantizedWeight
+from lowbit.quantize.runtime.int8_inputs import quantized_input_linear
 
 
 class QuantLinear(nn.Module):

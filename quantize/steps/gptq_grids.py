@@ -7,7 +7,13 @@ from typing import Optional
 import torch
 
 from lowbit.quantize.grids.fp8 import FP8Format, saturating_cast
-from lowbit.quantize.grids.integer import IntScheme, compute_scale_zero, fake_quantize, grouped, scale_zero_from_range
+from lowbit.quantize.grids.integer import (
+    IntScheme,
+    compute_scale_zero,
+    fake_quantize,
+    grouped,
+    scale_zero_from_range,
+)
 from lowbit.quantize.grids.scale_search import search_scale_zero
 
 

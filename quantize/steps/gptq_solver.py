@@ -10,9 +10,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lowbit.quantize.grids.fp8 import FP8Format, FP8Weight, WeightStrategy, element_scale, saturating_cast, weight_scale
+from lowbit.quantize.grids.fp8 import (
+    FP8Format,
+    FP8Weight,
+    WeightStrategy,
+    element_scale,
+    saturating_cast,
+    weight_scale,
+)
 from lowbit.quantize.grids.quantized_weight import QuantizedWeight
-from lowbit.quantize.steps.gptq_grids import FixedColumnGrid, FP8ColumnGrid, LazyColumnGrid
+from lowbit.quantize.steps.gptq_grids import (
+    FixedColumnGrid,
+    FP8ColumnGrid,
+    LazyColumnGrid,
+)
 
 if TYPE_CHECKING:
     from lowbit.quantize.steps.gptq import GPTQConfig

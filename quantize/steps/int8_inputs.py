@@ -10,7 +10,6 @@ import sys
 from dataclasses import dataclass
 
 from lowbit.calibrate.observers import linear_input_absmax
-
 from lowbit.quantize.grids.inputs import InputQuant, static_scale_from_absmax
 from lowbit.quantize.runtime.int8_inputs import product_path
 from lowbit.quantize.runtime.qlinear import QuantLinear

@@ -8,14 +8,14 @@ import torch
 
 from lowbit.calibrate.arch import linear_weight
 from lowbit.calibrate.progress import Progress
-
 from lowbit.quantize.grids.integer import IntScheme, check_group_size
+from lowbit.quantize.grids.linear import LinearScheme
+from lowbit.quantize.grids.quantized_weight import QuantizedWeight, quantize_rtn
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.spec import StepSpec
-from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.targets import replace_module, select_targets
-from lowbit.quantize.grids.quantized_weight import QuantizedWeight, quantize_rtn
+
 
 @dataclass(frozen=True)
 class RTNConfig:

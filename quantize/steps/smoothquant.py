@@ -12,12 +12,19 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.calibrate.walker import record_linear_inputs, walk
-
-from lowbit.quantize.steps.fold import fold_scale
 from lowbit.quantize.grids.integer import IntScheme
-from lowbit.quantize.steps.smoothing import (InputCollector, PairError, pair_index, pair_weights, per_token_int8,
-                        to_prev, token_stride, weight_quantizer)
 from lowbit.quantize.steps.context import StepContext
+from lowbit.quantize.steps.fold import fold_scale
+from lowbit.quantize.steps.smoothing import (
+    InputCollector,
+    PairError,
+    pair_index,
+    pair_weights,
+    per_token_int8,
+    to_prev,
+    token_stride,
+    weight_quantizer,
+)
 from lowbit.quantize.steps.spec import StepSpec
 
 
