@@ -125,3 +125,22 @@ def test_bad_input_is_named():
         quantize_gguf(W, GGUFScheme("q8_0"))
     with pytest.raises(ValueError, match="blk.0.ffn_up.*144"):
         unpack(torch.zeros(2, 100, dtype=torch.uint8), GGUFScheme("q4_k"), name="blk.0.ffn_up")
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+def test_k_quant_search_matches_a_scalar_float32_oracle(kind):
+    """The vectorised searches pick what llama.cpp's sequential float32 loops pick (oracle in
+    tests/ggml_scalar_reference.py), on blocks with outliers, zeros, constants, tiny values."""
+    from ggml_scalar_reference import q4_k_block, q6_k_block
+    oracle = {"q4_k": q4_k_block, "q6_k": q6_k_block}[kind]
+    W = _weights(seed=5)[[0, 1, 2, 4, 5, 7]]
+    weight = quantize_gguf(W, GGUFScheme(kind))
+    blocks = W.reshape(-1, 256).numpy()
+    fields = {f: getattr(weight, f) for f in ("d", "dmin", "sub_scale", "sub_min") if getattr(weight, f) is not None}
+    levels = weight.levels.reshape(-1, 256)
+    for b, block in enumerate(blocks):
+        expected = oracle(block)
+        assert levels[b].tolist() == expected["levels"], b
+        for name, value in fields.items():
+            mine = value.reshape(blocks.shape[0], -1)[b]
+            assert mine.tolist() == np.atleast_1d(expected[name]).tolist(), (b, name)

@@ -1,9 +1,10 @@
 """llama.cpp's reference (no importance matrix) scale searches for Q4_K and Q6_K, vectorised over
 blocks: quantize_row_q4_K_ref with make_qkx2_quants, quantize_row_q6_K_ref with make_qx_quants
-(ggml-quants.c). Same candidates, same float32 formulas, same tie rules; llama.cpp sums each
-sub-block left to right while torch sums in its own order, so a search whose two candidates
-differ in the last bit of a float32 sum may pick the other one. The `gguf` package has no
-K-quant quantizer to compare bytes with; its dequantizers check the packing (tests).
+(ggml-quants.c). Same candidates, same float32 formulas, same tie rules, and every sum taken
+left to right as the C loops take it (a torch .sum() adds in another order, and the searches
+compare near-equal sums: 2 of 24 test blocks chose differently). A C build that fuses a·b + c
+into one FMA rounds differently again; the oracle in tests/ggml_scalar_reference.py is unfused.
+The `gguf` package has no K-quant quantizer to compare bytes with.
 
 Each function takes super-blocks (N, 256) float32 and returns the GGUFWeight fields as tensors
 (levels with offsets removed), so this file needs nothing from gguf.py.
@@ -17,7 +18,7 @@ GROUP_MAX_EPS = 1e-15  # ggml-quants.c: a group below this magnitude is all zero
 
 def q4_k_reference(x: torch.Tensor) -> dict:
     subs = x.reshape(-1, 32)
-    av_x = torch.sqrt(subs.square().sum(dim=1, keepdim=True) / 32)
+    av_x = torch.sqrt(_sum(subs * subs)[:, None] / 32)
     scales, mins, search_levels = _qkx2(subs, av_x + subs.abs(), nmax=15, rmin=-1.0, rdelta=0.1, nstep=20)
     scales, mins = scales.reshape(-1, 8), mins.reshape(-1, 8)
     max_scale = scales.amax(dim=1, keepdim=True).clamp(min=0)  # scales are >= 0 as the min is deducted
@@ -55,7 +56,7 @@ def _qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: floa
     lo = x.amin(dim=1).clamp(max=0)
     hi = x.amax(dim=1)
     flat = hi == lo
-    sum_w, sum_x = w.sum(dim=1), (w * x).sum(dim=1)
+    sum_w, sum_x = _sum(w), _sum(w * x)
     iscale = nmax / torch.where(flat, 1.0, hi - lo)
     scale = 1 / iscale
     levels = _affine_levels(x, lo, iscale, nmax)
@@ -65,7 +66,8 @@ def _qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: floa
         numerator = torch.tensor(rmin, dtype=torch.float32) + torch.tensor(rdelta, dtype=torch.float32) * step + nmax
         trial_iscale = numerator / torch.where(span > 0, span, 1.0)
         trial = _affine_levels(x, lo, trial_iscale, nmax)
-        sum_l, sum_l2, sum_xl = (w * trial).sum(1), (w * trial * trial).sum(1), (w * trial * x).sum(1)
+        wl = w * trial
+        sum_l, sum_l2, sum_xl = _sum(wl), _sum(wl * trial), _sum(wl * x)
         D = sum_w * sum_l2 - sum_l * sum_l
         fit = D > 0
         D = torch.where(fit, D, 1.0)
@@ -89,7 +91,7 @@ def _affine_levels(x, lo, iscale, nmax):
 
 def _weighted_error(x, w, levels, scale, lo):
     diff = scale[:, None] * levels + lo[:, None] - x
-    return (w * (diff * diff)).sum(dim=1)
+    return _sum(w * (diff * diff))
 
 
 def _qx(x: torch.Tensor, nmax: int):
@@ -114,7 +116,15 @@ def _qx(x: torch.Tensor, nmax: int):
 
 def _qx_trial(x, w, iscale, nmax):
     levels = torch.round(iscale[:, None] * x).clamp(-nmax, nmax - 1)
-    return levels, (w * x * levels).sum(dim=1), (w * levels * levels).sum(dim=1)
+    return levels, _sum(w * x * levels), _sum(w * levels * levels)
+
+
+def _sum(t: torch.Tensor) -> torch.Tensor:
+    """Row sums of t (n, k) in float32, left to right: k small ops over all n rows at once."""
+    total = t[:, 0].clone()
+    for i in range(1, t.shape[1]):
+        total += t[:, i]
+    return total
 
 
 def _safe_ratio(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
