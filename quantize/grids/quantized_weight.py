@@ -6,12 +6,7 @@ from typing import Optional
 
 import torch
 
-from lowbit.quantize.grids.integer import (
-    IntScheme,
-    compute_scale_zero,
-    dequantize_codes,
-    quantize_codes,
-)
+from lowbit.quantize.grids.integer import IntScheme, compute_scale_zero, dequantize_codes, quantize_codes
 
 
 @dataclass

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.quantize.grids.integer import (
-    IntScheme,
-    fake_quantize,
-    scale_zero_from_range,
-)
+from lowbit.quantize.grids.integer import IntScheme, fake_quantize, scale_zero_from_range
 
 
 def search_scale_zero(groups: torch.Tensor, weight: torch.Tensor, scheme: IntScheme,

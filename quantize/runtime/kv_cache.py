@@ -17,12 +17,7 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers.cache_utils import (
-    BaseQuantizedLayer,
-    Cache,
-    DynamicCache,
-    get_layer_types_and_kwargs,
-)
+from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicCache, get_layer_types_and_kwargs
 
 from lowbit.calibrate.arch import Arch, arch_for, decoder_layers
 from lowbit.quantize.grids.kv import KVCacheConfig, dequantize_kv, quantize_kv

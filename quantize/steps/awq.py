@@ -17,28 +17,11 @@ from typing import Optional
 import torch
 
 from lowbit.calibrate.arch import is_linear, linear_weight
-from lowbit.calibrate.walker import (
-    LayerInputs,
-    first_output,
-    layer_forward,
-    record_linear_inputs,
-    walk,
-)
-from lowbit.quantize.grids.integer import (
-    IntScheme,
-    check_group_size,
-    fake_quantize,
-    grouped,
-    scale_zero_from_range,
-)
+from lowbit.calibrate.walker import LayerInputs, first_output, layer_forward, record_linear_inputs, walk
+from lowbit.quantize.grids.integer import IntScheme, check_group_size, fake_quantize, grouped, scale_zero_from_range
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.fold import fold_scale, follower_index
-from lowbit.quantize.steps.smoothing import (
-    pair_index,
-    to_prev,
-    token_stride,
-    weight_quantizer,
-)
+from lowbit.quantize.steps.smoothing import pair_index, to_prev, token_stride, weight_quantizer
 from lowbit.quantize.steps.spec import StepSpec
 from lowbit.quantize.targets import is_ignored
 

@@ -9,12 +9,7 @@ from typing import Literal
 from lowbit.calibrate.arch import linear_weight
 from lowbit.calibrate.observers import linear_input_absmax
 from lowbit.calibrate.progress import Progress
-from lowbit.quantize.grids.fp8 import (
-    ActivationMode,
-    FP8Scheme,
-    quantize_weight_fp8,
-    scale_from_absmax,
-)
+from lowbit.quantize.grids.fp8 import ActivationMode, FP8Scheme, quantize_weight_fp8, scale_from_absmax
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.runtime.fp8_linear import FP8Linear
 from lowbit.quantize.steps.context import StepContext

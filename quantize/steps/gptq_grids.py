@@ -7,13 +7,8 @@ from typing import Optional
 import torch
 
 from lowbit.quantize.grids.fp8 import FP8Format, saturating_cast
-from lowbit.quantize.grids.integer import (
-    IntScheme,
-    compute_scale_zero,
-    fake_quantize,
-    grouped,
-    scale_zero_from_range,
-)
+from lowbit.quantize.grids.gguf import GGUFScheme, affine_values, nearest_levels
+from lowbit.quantize.grids.integer import IntScheme, compute_scale_zero, fake_quantize, grouped, scale_zero_from_range
 from lowbit.quantize.grids.scale_search import search_scale_zero
 
 
@@ -29,6 +24,24 @@ class FP8ColumnGrid:
     def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
         s = self.scale_t[j]
         return saturating_cast(w / s, self.fmt).float() * s
+
+
+class GGUFColumnGrid:
+    """GGUF sub-block grids, S and M per element (rows, cols) in processing order, fixed before
+    GPTQ runs; keeps each column's levels, which pack as they are."""
+
+    def __init__(self, S: torch.Tensor, M: Optional[torch.Tensor], scheme: GGUFScheme):
+        self.S_t, self.scheme = S.t(), scheme  # a column's grid: one row here (a view, no copy)
+        self.M_t = None if M is None else M.t()
+        self.levels_t = torch.empty(self.S_t.shape, dtype=torch.int16, device=S.device)
+
+    def begin(self, j: int, Wt_rest: torch.Tensor) -> None:
+        pass
+
+    def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
+        s, m = self.S_t[j], None if self.M_t is None else self.M_t[j]
+        q = self.levels_t[j] = nearest_levels(w, s, m, self.scheme)
+        return affine_values(q, s, m)
 
 
 class FixedColumnGrid:

@@ -5,25 +5,15 @@ a QuantizedWeight (or FP8Weight) out.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from lowbit.quantize.grids.fp8 import (
-    FP8Format,
-    FP8Weight,
-    WeightStrategy,
-    element_scale,
-    saturating_cast,
-    weight_scale,
-)
+from lowbit.quantize.grids.fp8 import FP8Format, FP8Weight, WeightStrategy, element_scale, saturating_cast, weight_scale
+from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight, quantize_gguf
 from lowbit.quantize.grids.quantized_weight import QuantizedWeight
-from lowbit.quantize.steps.gptq_grids import (
-    FixedColumnGrid,
-    FP8ColumnGrid,
-    LazyColumnGrid,
-)
+from lowbit.quantize.steps.gptq_grids import FixedColumnGrid, FP8ColumnGrid, GGUFColumnGrid, LazyColumnGrid
 
 if TYPE_CHECKING:
     from lowbit.quantize.steps.gptq import GPTQConfig
@@ -130,6 +120,32 @@ def _gptq_solve_fp8(W, H, cfg: GPTQConfig, strategy: WeightStrategy, fmt: FP8For
         Q = Q[:, torch.argsort(perm)]
     data = saturating_cast(Q / per_element, fmt)  # exact: Q already lies on the grid
     return FP8Weight(data, scale, fmt, strategy, block), row_loss, frac, retries
+
+
+def gptq_solve_gguf(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig,
+                    scheme: GGUFScheme) -> tuple[GGUFWeight, torch.Tensor, float, int]:
+    """GPTQ of W onto a GGML block grid whose scales (and mins) llama.cpp's reference search fixes
+    from W first (cfg.scheme is not used). Returns the GGUFWeight (it packs as it is: the sweep
+    rounds onto exactly the grid the file stores), row losses, the damping used and its retries."""
+    return _single_threaded(_gptq_solve_gguf, W, H, cfg, scheme)
+
+
+def _gptq_solve_gguf(W, H, cfg: GPTQConfig, scheme: GGUFScheme):
+    if cfg.actorder == "group":
+        raise ValueError("GGUF GPTQ supports actorder none or static (its block scales are fixed before the sweep)")
+    fixed = quantize_gguf(W, scheme)
+    S, M = fixed.sub_scale_offset()
+    sub = scheme.layout.sub
+    S, M = S.repeat_interleave(sub, dim=1), None if M is None else M.repeat_interleave(sub, dim=1)
+    Wp, _, perm, U, frac, retries = _prepare(W, H, cfg)
+    if perm is not None:
+        S, M = S[:, perm], None if M is None else M[:, perm]
+    grid = GGUFColumnGrid(S, M, scheme)
+    _, row_loss = _solve_blocks(Wp, U, grid, cfg.batch_columns)
+    levels = grid.levels_t.t()
+    if perm is not None:
+        levels = levels[:, torch.argsort(perm)]
+    return replace(fixed, levels=levels.contiguous()), row_loss, frac, retries
 
 
 def _prepare(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig):

@@ -8,12 +8,7 @@ from torch import nn
 
 from lowbit.calibrate.observers import cached_kv_absmax
 from lowbit.quantize.grids.kv import KVCacheConfig, static_scale
-from lowbit.quantize.runtime.kv_cache import (
-    SCALE_NAMES,
-    attach,
-    attention_modules,
-    detach,
-)
+from lowbit.quantize.runtime.kv_cache import SCALE_NAMES, attach, attention_modules, detach
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.spec import StepSpec
 

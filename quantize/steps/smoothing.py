@@ -16,12 +16,7 @@ from lowbit.calibrate.arch import SmoothPair, linear_weight
 from lowbit.calibrate.observers import ChannelAbsMax
 from lowbit.calibrate.walker import LayerInputs
 from lowbit.quantize.grids.inputs import InputQuant, per_token_scale
-from lowbit.quantize.grids.integer import (
-    IntScheme,
-    compute_scale_zero,
-    dequantize_codes,
-    quantize_codes,
-)
+from lowbit.quantize.grids.integer import IntScheme, compute_scale_zero, dequantize_codes, quantize_codes
 from lowbit.quantize.steps.fold import follower_index, prev_channels, reduce_to_prev
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]  # float tensor -> fake-quantized float tensor

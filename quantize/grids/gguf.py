@@ -1,0 +1,178 @@
+"""GGML's block formats Q8_0, Q4_0, Q4_1, Q4_K and Q6_K as pure torch functions.
+
+A weight (rows, in_features) is cut into blocks along each row (32 weights; 256 for the
+K-quants, whose super-blocks hold 8 sub-blocks of 32 (Q4_K) or 16 of 16 (Q6_K)). Every format
+here reads as one affine grid per sub-block: value = S · level + M, with S and M built from the
+block's fp16 scale(s) exactly as llama.cpp's and the `gguf` package's dequantizers build them,
+so that `GGUFWeight.dequantize()` equals `gguf.quants.dequantize(packed, type)` bit for bit.
+Byte packing lives in gguf_packing.py, the K-quants' scale search in gguf_kquants.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from lowbit.quantize.grids import gguf_kquants
+
+
+@dataclass(frozen=True)
+class _Layout:
+    block: int  # weights per block (super-block for the K-quants)
+    sub: int  # weights sharing one S and M
+    type_size: int  # bytes per block in a .gguf tensor
+    qmin: int  # stored levels, offsets removed (Q4_0 stores level + 8)
+    qmax: int
+    has_min: bool  # M present (Q4_1's min, Q4_K's dmin · sub-block min)
+
+
+LAYOUTS = {
+    "q8_0": _Layout(32, 32, 34, -128, 127, False),
+    "q4_0": _Layout(32, 32, 18, -8, 7, False),
+    "q4_1": _Layout(32, 32, 20, 0, 15, True),
+    "q4_k": _Layout(256, 32, 144, 0, 15, True),
+    "q6_k": _Layout(256, 16, 210, -32, 31, False),
+}
+
+
+@dataclass(frozen=True)
+class GGUFScheme:
+    """One GGML block type; bits_per_weight counts the scales too (Q4_K: 4.5)."""
+
+    type: str = "q4_k"
+
+    def __post_init__(self):
+        if self.type not in LAYOUTS:
+            raise ValueError(f"GGUF type must be one of {sorted(LAYOUTS)}, got {self.type!r}")
+
+    @property
+    def layout(self) -> _Layout:
+        return LAYOUTS[self.type]
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.layout.type_size * 8 / self.layout.block
+
+    @property
+    def ggml_type(self):
+        """The gguf package's GGMLQuantizationType for this format."""
+        from gguf import GGMLQuantizationType
+        return GGMLQuantizationType[self.type.upper()]
+
+    def check_weight(self, W: torch.Tensor, name: str = "weight") -> None:
+        if W.dim() != 2 or W.shape[1] % self.block_size:
+            raise ValueError(f"{name}: GGUF {self.type} needs a 2-D weight whose rows are a multiple of "
+                             f"{self.block_size} long, got shape {tuple(W.shape)}")
+        if not torch.isfinite(W).all():
+            raise ValueError(f"{name}: GGUF {self.type} needs finite weights (found inf or NaN)")
+
+
+@dataclass
+class GGUFWeight:
+    """A weight on a GGML grid: levels plus the block fields a .gguf tensor stores."""
+
+    scheme: GGUFScheme
+    levels: torch.Tensor  # (rows, cols) int16, offsets removed: value = S·level + M
+    d: torch.Tensor  # (rows, blocks) float16: the block scale (super-block scale for K-quants)
+    dmin: Optional[torch.Tensor] = None  # (rows, blocks) float16: Q4_1's min m, Q4_K's dmin
+    sub_scale: Optional[torch.Tensor] = None  # (rows, subs) int16: Q4_K 0..63, Q6_K -128..127
+    sub_min: Optional[torch.Tensor] = None  # (rows, subs) int16: Q4_K 0..63
+
+    def sub_scale_offset(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """S and M per sub-block (rows, cols / sub), float32, multiplied in the dequantizers' order."""
+        d = self.d.float()
+        if self.sub_scale is None:
+            return d, None if self.dmin is None else self.dmin.float()
+        per_block = self.scheme.block_size // self.scheme.layout.sub
+        S = d.repeat_interleave(per_block, dim=1) * self.sub_scale.float()  # exact: 11 × 8 bits
+        if self.sub_min is None:
+            return S, None
+        return S, -(self.dmin.float().repeat_interleave(per_block, dim=1) * self.sub_min.float())
+
+    def dequantize(self) -> torch.Tensor:
+        S, M = self.sub_scale_offset()
+        return grid_values(self.levels, S, M, self.scheme.layout.sub)
+
+
+def grid_values(levels: torch.Tensor, S: torch.Tensor, M: Optional[torch.Tensor], sub: int) -> torch.Tensor:
+    """Values of levels (..., cols) on sub-block grids S, M (..., cols / sub)."""
+    return affine_values(levels, _spread(S, sub), None if M is None else _spread(M, sub))
+
+
+def affine_values(levels: torch.Tensor, S: torch.Tensor, M: Optional[torch.Tensor]) -> torch.Tensor:
+    """S·level (+ M) per element: one product and one sum, as the dequantizers do (no fused
+    multiply-add, and no + 0 that would turn a -0.0 into 0.0)."""
+    values = S * levels.float()
+    return values if M is None else values + M
+
+
+def round_to_grid(W: torch.Tensor, S: torch.Tensor, M: Optional[torch.Tensor], scheme: GGUFScheme) -> torch.Tensor:
+    """Nearest levels of W (..., cols) on fixed sub-block grids S, M (..., cols / sub)."""
+    sub = scheme.layout.sub
+    return nearest_levels(W, _spread(S, sub), None if M is None else _spread(M, sub), scheme)
+
+
+def nearest_levels(W: torch.Tensor, S: torch.Tensor, M: Optional[torch.Tensor], scheme: GGUFScheme) -> torch.Tensor:
+    """Nearest levels of W on per-element grids S, M; level 0 where S is 0 (every level gives
+    the same value there)."""
+    x = W.float() if M is None else W.float() - M
+    q = torch.round(x / torch.where(S == 0, 1.0, S)).clamp(scheme.layout.qmin, scheme.layout.qmax)
+    return torch.where(S == 0, 0.0, q).to(torch.int16)
+
+
+def _spread(t: torch.Tensor, sub: int) -> torch.Tensor:
+    return t.repeat_interleave(sub, dim=-1)
+
+
+def quantize_gguf(W: torch.Tensor, scheme: GGUFScheme, name: str = "weight") -> GGUFWeight:
+    """Round to nearest the way llama.cpp's reference quantizer (no importance matrix) does:
+    Q8_0, Q4_0 and Q4_1 byte for byte as `gguf.quants.quantize`; the K-quants by llama.cpp's
+    scale searches (gguf_kquants.py)."""
+    scheme.check_weight(W, name)
+    rows = W.shape[0]
+    blocks = W.detach().float().reshape(-1, scheme.block_size)
+    fields = _REFERENCE[scheme.type](blocks)
+    levels = fields.pop("levels").reshape(rows, -1).to(torch.int16)
+    shaped = {k: v.reshape(rows, -1) for k, v in fields.items()}
+    return GGUFWeight(scheme, levels, **shaped)
+
+
+def _q8_0(x: torch.Tensor) -> dict:
+    d = x.abs().amax(dim=1, keepdim=True) / 127
+    return {"levels": _round_half_away(x * _inverse(d)), "d": d.half()}
+
+
+def _q4_0(x: torch.Tensor) -> dict:
+    signed_max = x.gather(1, x.abs().argmax(dim=1, keepdim=True))  # first of equal magnitudes
+    d = signed_max / -8
+    q = torch.trunc(x * _inverse(d) + 8.5).clamp(0, 15)
+    return {"levels": q - 8, "d": d.half()}
+
+
+def _q4_1(x: torch.Tensor) -> dict:
+    lo, hi = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
+    d = (hi - lo) / 15
+    q = torch.trunc((x - lo) * _inverse(d) + 0.5).clamp(0, 15)
+    return {"levels": q, "d": d.half(), "dmin": lo.half()}
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """1/d in float32 from the unrounded d (the reference quantizers round with it, not the fp16 d)."""
+    return torch.where(d == 0, 0.0, 1.0 / torch.where(d == 0, 1.0, d))
+
+
+def _round_half_away(v: torch.Tensor) -> torch.Tensor:
+    """C's roundf, written as the gguf package writes it (floor of the doubled fraction), so that
+    values a hair under .5 do not round up through v + 0.5."""
+    a = v.abs()
+    whole = torch.floor(a)
+    return torch.sign(v) * (whole + torch.floor(2 * (a - whole)))
+
+
+_REFERENCE = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1,
+              "q4_k": gguf_kquants.q4_k_reference, "q6_k": gguf_kquants.q6_k_reference}
