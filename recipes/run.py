@@ -65,10 +65,7 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
             seconds = dict(exported["seconds"])  # load, calibrate, quantize, export: done once
             with timer(seconds)("evaluate_s"):
                 evaluated = evaluate_checkpoint(recipe, progress.checkpoint, exported)
-            results = dataclasses.replace(
-                evaluated, model=ModelInfo(**exported["model"], reference=recipe.model), recipe=recipe.to_dict(),
-                timing={k: round(seconds.get(k, 0.0), 3) for k in TIMINGS},
-                steps=exported["steps"], audit=exported["audit"]).to_dict()
+            results = with_run_sections(evaluated, recipe, exported, seconds).to_dict()
             write_results(progress.checkpoint, results, recipe, output.name)
             progress.publish(output)  # the folder appears whole, results included, or not at all
     return results
@@ -123,6 +120,14 @@ def evaluate_checkpoint(recipe: Recipe, folder: Path, exported: dict) -> Results
                                                            allow_pickle=recipe.allow_pickle)[0],
                           weight_bytes=exported["baseline_bytes"])
     return evaluate(folder, recipe.evaluate, reference, trust_remote_code=recipe.trust_remote_code)
+
+
+def with_run_sections(evaluated: Results, recipe: Recipe, exported: dict, seconds: dict) -> Results:
+    """The evaluation's results with what only the run knows: the unquantized model's facts, the
+    resolved recipe, the stage timings, what each step did and the audit."""
+    return dataclasses.replace(
+        evaluated, model=ModelInfo(**exported["model"], reference=recipe.model), recipe=recipe.to_dict(),
+        timing={k: round(seconds.get(k, 0.0), 3) for k in TIMINGS}, steps=exported["steps"], audit=exported["audit"])
 
 
 def write_results(folder: Path, results: dict, recipe: Recipe, name: str) -> None:
