@@ -1,9 +1,6 @@
-"""Everything the evaluation stage measures on one in-memory model, as results.json sections.
-
-recipes/run.py calls these on the reloaded checkpoint; `lowbit eval` calls them on whatever it
-was given. The unquantized reference model is loaded lazily, only when KL, speed or a
-bitsandbytes baseline needs it.
-"""
+"""The sections the evaluation measures on one in-memory model (evaluation.evaluate() assembles
+them into Results), and the unquantized reference they compare against, loaded only when KL,
+a baseline figure missing from the cache, speed or a bitsandbytes baseline needs it."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,16 +11,18 @@ import torch
 from .baseline import cached_baseline
 from .config import EvaluateConfig, MemoryConfig
 from .kl import kl_divergence
-from .memory import ModelShape, fit_table, measure_peak, predicted_total
+from .memory import ModelShape, fit_table, measure_peak, model_weight_bytes, predicted_total
 
 MEASURE_CONTEXT_CAP = 512  # measured peak: one prefill of at most this many tokens (CPU time)
+DEFAULT_KV_BYTES = 2.0  # a cache nothing quantizes: 16-bit keys and values
 
 
-class LazyModel:
-    """Loads the reference model on first use; `loaded` says whether anything was paid for."""
+class Reference:
+    """The unquantized model named `name`, loaded on first use and held until dropped with the
+    Reference; `weight_bytes` (as a 16-bit checkpoint) is counted from it unless already known."""
 
-    def __init__(self, load: Optional[Callable[[], object]]):
-        self._load, self._model = load, None
+    def __init__(self, name: Optional[str], load: Optional[Callable[[], object]], weight_bytes: Optional[int] = None):
+        self.name, self._load, self._model, self._weight_bytes = name, load, None, weight_bytes
 
     @property
     def available(self) -> bool:
@@ -34,29 +33,35 @@ class LazyModel:
             self._model = self._load()
         return self._model
 
+    def weight_bytes(self) -> Optional[int]:
+        if self._weight_bytes is None and self.available:
+            self._weight_bytes = model_weight_bytes(self.get(), bytes_per_param=2)
+        return self._weight_bytes
 
-def evaluate_extras(model, tokenizer, cfg: EvaluateConfig, *, model_name: str, weight_bytes: int,
-                    baseline_weight_bytes: Optional[int], reference: LazyModel, steps: list[dict]) -> dict:
-    """The sections beyond perplexity and weight bytes, each only when enabled:
-    {"quality": {kl, lm_eval, baseline_lm_eval}, "memory": {...}, "speed": {...}, "baselines": {...}}."""
-    kv_bytes = kv_bytes_for(cfg.memory, steps)
-    memory = memory_section(model, weight_bytes, cfg.memory, kv_bytes)
-    if baseline_weight_bytes:  # the unquantized model as a 16-bit deployment (16-bit KV too)
-        base = memory_section(model, baseline_weight_bytes, dataclasses.replace(cfg.memory, measure_peak=False), 2.0)
+
+def kv_bytes_per_element(model, cfg: MemoryConfig) -> float:
+    """Bytes per cached K/V element: what the model's quantized KV cache stores (config.json's
+    lowbit_kv_cache, re-attached on load), else the evaluate config's explicit kv_bytes, else 16-bit."""
+    kv = getattr(model, "lowbit_kv_cache", None)
+    if kv is not None:
+        return kv.bytes_per_element
+    return cfg.kv_bytes if cfg.kv_bytes is not None else DEFAULT_KV_BYTES
+
+
+def memory_sections(model, weight_bytes: int, reference: Reference, cfg: MemoryConfig, kv_bytes: float) -> dict:
+    """The model's memory section (its peak measured before anything else is loaded), with the
+    reference's predicted footprint and fit beside it (a 16-bit deployment, 16-bit KV too)."""
+    memory = memory_section(model, weight_bytes, cfg, kv_bytes)
+    baseline_weight_bytes = reference.weight_bytes()
+    memory["baseline_weight_bytes"] = baseline_weight_bytes
+    if baseline_weight_bytes:
+        base = memory_section(model, baseline_weight_bytes, dataclasses.replace(cfg, measure_peak=False),
+                              DEFAULT_KV_BYTES)
         memory.update(baseline_predicted=base["predicted"], baseline_fit=base["fit"])
-    out = {"quality": quality_extras(model, tokenizer, cfg, reference, model_name), "memory": memory}
-    if cfg.speed.enabled:
-        from .speed import speed_on_devices
-
-        models = {"model": model, **({"baseline": reference.get()} if reference.available else {})}
-        out["speed"] = speed_on_devices(models, cfg.speed)
-    if cfg.bnb_baselines:
-        out["baselines"] = {f"bnb-{mode}": bnb_row(model_name, mode, tokenizer, cfg, reference, kv_bytes)
-                            for mode in cfg.bnb_baselines}
-    return out
+    return memory
 
 
-def quality_extras(model, tokenizer, cfg: EvaluateConfig, reference: LazyModel, model_name: str) -> dict:
+def quality_extras(model, tokenizer, cfg: EvaluateConfig, reference: Reference, model_name: str) -> dict:
     """KL vs the reference and lm-eval scores (the reference's cached), each only when enabled."""
     out = {}
     if cfg.kl.enabled and reference.available:
@@ -72,7 +77,7 @@ def quality_extras(model, tokenizer, cfg: EvaluateConfig, reference: LazyModel, 
     return out
 
 
-def bnb_row(model_name: str, mode: str, tokenizer, cfg: EvaluateConfig, reference: LazyModel,
+def bnb_row(model_name: str, mode: str, tokenizer, cfg: EvaluateConfig, reference: Reference,
             kv_bytes: float) -> dict:
     """One bitsandbytes baseline measured like the model itself, or why it could not be."""
     from .bnb import bnb_quality, bnb_weight_bytes, load_bnb
@@ -131,19 +136,3 @@ def measured_prefill_peak(model, shape: ModelShape, cfg: MemoryConfig) -> dict:
     predicted = predicted_total(0, shape, cfg.batch, context, elem, elem)
     return {**peak, "batch": cfg.batch, "context": context, "dtype": str(param.dtype).removeprefix("torch."),
             "predicted_kv_plus_activations": predicted["kv_cache"] + predicted["activations"]}
-
-
-def kv_bytes_for(cfg: MemoryConfig, steps: list[dict]) -> float:
-    """Bytes per cached K/V element: the recipe's explicit value, else what a KV-cache step
-    recorded ('kv_bits' / 'kv_cache_bits' in any step, or 'bits' of a step named *kv*; a kv step
-    that says nothing is taken as FP8), else 16-bit."""
-    if cfg.kv_bytes is not None:
-        return cfg.kv_bytes
-    for step in steps:
-        named_kv = "kv" in str(step.get("name", ""))
-        bits = step.get("kv_bits", step.get("kv_cache_bits", step.get("bits") if named_kv else None))
-        if isinstance(bits, (int, float)) and not isinstance(bits, bool) and bits > 0:
-            return bits / 8
-        if named_kv:
-            return 1.0
-    return 2.0

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import sys
-from importlib.metadata import version
 from pathlib import Path
 
 import yaml
@@ -13,7 +12,7 @@ from lowbit.evaluate.report_data import load_runs
 from lowbit.export.manifest import write_text_atomic
 
 from .schema import load_recipe
-from .validate import RecipeError, build, to_plain
+from .validate import RecipeError, build
 
 
 def cmd_report(args) -> int:
@@ -64,44 +63,22 @@ def cmd_audit(args) -> int:
 def cmd_eval(args) -> int:
     """Evaluate whatever MODEL_OR_CHECKPOINT is: a lowbit checkpoint (vs its recipe's model) or a
     plain model; writes results.json and a report."""
-    from lowbit.calibrate.models import DEFAULT_DTYPE, load_model
-    from lowbit.evaluate.baseline import cached_baseline
-    from lowbit.evaluate.memory import checkpoint_weight_bytes, model_weight_bytes
-    from lowbit.evaluate.perplexity import perplexity
-    from lowbit.evaluate.suite import LazyModel, evaluate_extras
+    from lowbit.calibrate.models import load_model
+    from lowbit.evaluate.evaluation import evaluate
+    from lowbit.evaluate.suite import Reference
     from lowbit.export import checkpoint
 
     cfg = _evaluate_config(args.set)
     target = Path(args.target)
-    if checkpoint.is_checkpoint(target):
-        model, tokenizer = checkpoint.load(target)
-        weight_bytes, reference_name = checkpoint_weight_bytes(target), args.baseline or _recipe_model(target)
-    else:
-        model, tokenizer, _ = load_model(args.target, allow_pickle=args.allow_pickle)
-        weight_bytes, reference_name = model_weight_bytes(model, bytes_per_param=2), args.baseline
-    reference = LazyModel(reference_name and (lambda: load_model(reference_name, allow_pickle=args.allow_pickle)[0]))
-    quality = perplexity(model, tokenizer, cfg.perplexity)
-    base_ppl = cached_baseline(reference_name, cfg.perplexity, lambda: perplexity(
-        reference.get(), tokenizer, cfg.perplexity))["perplexity"] if reference.available and cfg.baseline else None
-    base_bytes = model_weight_bytes(reference.get(), bytes_per_param=2) if reference.available else None
-    extras = evaluate_extras(model, tokenizer, cfg, model_name=reference_name or args.target, weight_bytes=weight_bytes,
-                             baseline_weight_bytes=base_bytes, reference=reference, steps=[])
-    results = {
-        "lowbit_version": version("lowbit"),
-        "model": {"id": str(args.target), "model_type": model.config.model_type, "reference": reference_name,
-                  "dtype": str(DEFAULT_DTYPE).removeprefix("torch.")},  # the reference's, as load_model loads it
-        "recipe": {"name": f"eval {target.name or args.target}", "evaluate": to_plain(cfg)},
-        "quality": {"perplexity": quality["perplexity"], "baseline_perplexity": base_ppl,
-                    "dataset": cfg.perplexity.dataset, "protocol": {**to_plain(cfg.perplexity), **quality},
-                    **extras.pop("quality")},
-        "memory": {"weight_bytes": weight_bytes, "baseline_weight_bytes": base_bytes, **extras.pop("memory")},
-        "timing": {}, "steps": [], **extras,
-    }
+    name = args.baseline or (_recipe_model(target) if checkpoint.is_checkpoint(target) else None)
+    reference = Reference(name, name and (lambda: load_model(name, allow_pickle=args.allow_pickle)[0]))
+    results = evaluate(args.target, cfg, reference, allow_pickle=args.allow_pickle).to_dict()
     out = Path(args.output or f"runs/eval-{target.name or 'model'}")
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "results.json", json.dumps(results, indent=2))
     write_report([results], out / "report.html")
-    print(f"perplexity  {quality['perplexity']:.3f}" + (f" (baseline {base_ppl:.3f})" if base_ppl else ""))
+    ppl, base_ppl = results["quality"]["perplexity"], results["quality"]["baseline_perplexity"]
+    print(f"perplexity  {ppl:.3f}" + (f" (baseline {base_ppl:.3f})" if base_ppl else ""))
     print(f"results     {out / 'results.json'}  report {out / 'report.html'}")
     return 0
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 # decides when it is interrupted (SIGINT) or killed (SIGKILL). Everything before it is the real run.
 STOPS_IN_EVALUATION = """
 import signal, sys, time
-import lowbit.recipes.run as run_module
+import lowbit.evaluate.evaluation as evaluation
 from lowbit.recipes.cli import main
 
 def evaluating(*args, **kwargs):
@@ -20,7 +20,7 @@ def evaluating(*args, **kwargs):
     time.sleep(600)
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, as in a terminal
-run_module.perplexity = evaluating
+evaluation.perplexity = evaluating  # the checkpoint's perplexity, first of its figures
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -2,9 +2,15 @@
 import pytest
 import torch
 
+from lowbit.evaluate.config import MemoryConfig
 from lowbit.evaluate.memory import (GIB, ModelShape, activation_bytes, fit_table, kv_cache_bytes,
                                     measure_peak, model_weight_bytes, packed_tensor_bytes,
                                     predicted_total, resident_tensor_bytes)
+from lowbit.evaluate.suite import kv_bytes_per_element
+from lowbit.export import checkpoint
+from lowbit.export.config import ExportConfig
+from lowbit.quantize.grids.kv import KVCacheConfig
+from export_helpers import load_without_tokenizer
 
 
 def _cache_tensors_bytes(cache) -> int:
@@ -99,14 +105,22 @@ def test_measured_peak_sees_a_large_allocation():
     assert peak["peak_bytes"] >= peak["before_bytes"]
 
 
-def test_kv_bytes_follow_a_kv_step_or_the_config():
-    from lowbit.evaluate.config import MemoryConfig
-    from lowbit.evaluate.suite import kv_bytes_for
+@pytest.mark.parametrize("cfg,expected", [(KVCacheConfig("int8", "tensor"), 1.0), (KVCacheConfig("fp8", "head"), 1.0),
+                                          (KVCacheConfig("int4", "token"), 0.5)], ids=str)
+def test_kv_bytes_come_from_the_reloaded_checkpoints_kv_cache(tmp_path, cfg, expected):
+    """What the checkpoint holds decides, not what a step was called; an explicit kv_bytes does
+    not override a cache the checkpoint really quantizes."""
+    from test_export_kv_cache import with_kv
 
-    assert kv_bytes_for(MemoryConfig(), [{"name": "rtn", "bits": 4}]) == 2.0  # weight bits are not KV bits
-    assert kv_bytes_for(MemoryConfig(), [{"name": "kv_cache", "bits": 8}]) == 1.0
-    assert kv_bytes_for(MemoryConfig(), [{"name": "fp8", "kv_bits": 4}]) == 0.5
-    assert kv_bytes_for(MemoryConfig(kv_bytes=4.0), [{"name": "kv_cache"}]) == 4.0
+    out = checkpoint.save(with_kv(cfg), None, tmp_path / "ckpt", ExportConfig(dtype="float32"))
+    loaded, _ = load_without_tokenizer(out)
+    assert kv_bytes_per_element(loaded, MemoryConfig()) == expected
+    assert kv_bytes_per_element(loaded, MemoryConfig(kv_bytes=4.0)) == expected
+
+
+def test_kv_bytes_without_a_quantized_cache_are_the_configs_or_16_bit(tiny_llama):
+    assert kv_bytes_per_element(tiny_llama, MemoryConfig()) == 2.0
+    assert kv_bytes_per_element(tiny_llama, MemoryConfig(kv_bytes=4.0)) == 4.0
 
 
 def test_measured_peak_is_not_hidden_by_garbage_freed_while_it_runs():

@@ -1,0 +1,77 @@
+"""evaluate(target, cfg): quality, memory (and on request speed) of a checkpoint folder or a plain
+model, returned as the Results that results.json holds. `lowbit run` calls it on the checkpoint it
+has just written (so the figures are the checkpoint's), `lowbit eval` on whatever it is given.
+
+What is resident when: the evaluated model from the start; the reference only from the first
+figure that needs it (KL, a baseline figure missing from the cache, speed, bitsandbytes), never
+before the measured peak; a bitsandbytes model one at a time. Both go when evaluate() returns.
+"""
+from __future__ import annotations
+
+from importlib.metadata import version
+from pathlib import Path
+from typing import Optional
+
+from lowbit.calibrate.hardware import cpu_info
+from lowbit.calibrate.models import DEFAULT_DTYPE, load_model
+from lowbit.export import checkpoint
+
+from .baseline import cached_baseline
+from .config import EvaluateConfig
+from .memory import checkpoint_weight_bytes, model_weight_bytes
+from .perplexity import perplexity
+from .results import Memory, ModelInfo, Quality, Results, plain
+from .suite import Reference, bnb_row, kv_bytes_per_element, memory_sections, quality_extras
+
+
+def evaluate(target: str | Path, cfg: EvaluateConfig, reference: Optional[Reference] = None, *,
+             trust_remote_code: bool = False, allow_pickle: bool = False) -> Results:
+    """Evaluate `target`, a checkpoint folder (reloaded as written) or a model name/folder (weights
+    counted as 16-bit), against `reference` when given."""
+    reference = reference or Reference(None, None)
+    model, tokenizer, weight_bytes = load_target(target, trust_remote_code, allow_pickle)
+    measured = perplexity(model, tokenizer, cfg.perplexity)
+    kv_bytes = kv_bytes_per_element(model, cfg.memory)
+    memory = memory_sections(model, weight_bytes, reference, cfg.memory, kv_bytes)
+    model_name = reference.name or str(target)
+    quality = Quality(
+        perplexity=measured["perplexity"],
+        baseline_perplexity=baseline_perplexity(reference, tokenizer, cfg),
+        dataset=cfg.perplexity.dataset,
+        protocol={**plain(cfg.perplexity), **measured},
+        **quality_extras(model, tokenizer, cfg, reference, model_name))
+    speed = baselines = None
+    if cfg.speed.enabled:
+        from .speed import speed_on_devices
+
+        speed = speed_on_devices({"model": model, **({"baseline": reference.get()} if reference.available else {})},
+                                 cfg.speed)
+    if cfg.bnb_baselines:
+        baselines = {f"bnb-{mode}": bnb_row(model_name, mode, tokenizer, cfg, reference, kv_bytes)
+                     for mode in cfg.bnb_baselines}
+    return Results(
+        lowbit_version=version("lowbit"),
+        model=ModelInfo(id=str(target), model_type=model.config.model_type, reference=reference.name,
+                        dtype=str(DEFAULT_DTYPE).removeprefix("torch.")),  # the reference's, as load_model loads it
+        hardware=cpu_info().to_dict(),
+        recipe={"name": f"eval {Path(target).name or target}", "evaluate": plain(cfg)},
+        quality=quality, memory=Memory(weight_bytes=weight_bytes, **memory), speed=speed, baselines=baselines)
+
+
+def load_target(target: str | Path, trust_remote_code: bool, allow_pickle: bool):
+    """(model, tokenizer, weight bytes): a checkpoint's bytes as its files hold them; a plain
+    model's as a 16-bit checkpoint."""
+    if checkpoint.is_checkpoint(Path(target)):
+        model, tokenizer = checkpoint.load(target, trust_remote_code=trust_remote_code)
+        return model, tokenizer, checkpoint_weight_bytes(target)
+    model, tokenizer, _ = load_model(str(target), trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    return model, tokenizer, model_weight_bytes(model, bytes_per_param=2)
+
+
+def baseline_perplexity(reference: Reference, tokenizer, cfg: EvaluateConfig) -> Optional[float]:
+    """The reference's perplexity under the same protocol, from the cache (a run fills it before
+    quantizing, while its model is still the baseline) or measured on the reference."""
+    if not (cfg.baseline and reference.available):
+        return None
+    measure = lambda: perplexity(reference.get(), tokenizer, cfg.perplexity)  # noqa: E731
+    return cached_baseline(reference.name, cfg.perplexity, measure)["perplexity"]
