@@ -7,12 +7,14 @@ from pathlib import Path
 
 from .base import ExportFormat
 from .compressed_tensors import CompressedTensorsFormat
+from .dense import DenseFormat
 from .gptq import GPTQFormat
 from .hf_folder import CONFIG, safetensors_bytes
 
 FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
     CompressedTensorsFormat(),
     GPTQFormat(),
+    DenseFormat(),
 )}
 
 
