@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
+from lowbit.export.formats.registry import checkpoint_weight_bytes as format_weight_bytes
 from lowbit.quantize.runtime.qlinear import QuantLinear
 
 
@@ -54,22 +54,8 @@ def packed_tensor_bytes(model: nn.Module, exclude: tuple[torch.Tensor, ...] = ()
 
 
 def checkpoint_weight_bytes(folder: str | Path) -> int:
-    """Bytes of every tensor in a checkpoint's safetensors files (codes, scales, float weights)."""
-    total = 0
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for key in f.keys():
-                t = f.get_slice(key)
-                numel = 1
-                for d in t.get_shape():
-                    numel *= d
-                total += numel * _dtype_bytes(t.get_dtype())
-    return total
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return {"F64": 8, "F32": 4, "I32": 4, "U32": 4, "I64": 8, "BF16": 2, "F16": 2, "I16": 2,
-            "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}[dtype]
+    """Bytes of a checkpoint's weight tensors (codes, scales, float weights), as its format counts them."""
+    return format_weight_bytes(folder)
 
 
 # --- predicted footprint: weights + KV cache + activation workspace -------------------------

@@ -1,26 +1,20 @@
 """Write a quantized model as a checkpoint, atomically, and read it back into runtime modules."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
 import uuid
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from . import compressed_tensors as ct
-from . import gptq_format, kv_scales
 from .config import ExportConfig
-from .files import out_of_space_names, save_tensors
+from .files import out_of_space_names
+from .formats.hf_folder import CONFIG, WEIGHTS
+from .formats.registry import FORMATS
 from .manifest import MANIFEST, write_manifest
 from .reader import load, read_tensors  # noqa: F401  (re-exported: checkpoint.load)
-
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
-GPTQ_CONFIG = "quantize_config.json"
 
 
 def save(model: nn.Module, tokenizer, out_dir: str | Path, cfg: ExportConfig,
@@ -38,7 +32,7 @@ def save(model: nn.Module, tokenizer, out_dir: str | Path, cfg: ExportConfig,
     staging.mkdir(parents=True)
     try:
         with out_of_space_names(out_dir, "cannot write the checkpoint"):
-            _write(model, tokenizer, staging, cfg, extra_files or {})
+            FORMATS[cfg.format].write(model, tokenizer, staging, cfg, extra_files or {})
             write_manifest(staging)
         publish(staging, out_dir)
     except BaseException:
@@ -81,66 +75,6 @@ def check_plain_name(name: str, what: str) -> None:
     for ok, problem in rules:
         if not ok(name):
             raise ValueError(f"{what} {name!r} {problem}: it becomes a file or folder name")
-
-
-def _write(model, tokenizer, folder: Path, cfg: ExportConfig, extra_files) -> None:
-    quantized = {n: m for n, m in model.named_modules() if ct.is_quantized(m)}
-    dtype = getattr(torch, cfg.dtype)
-    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in _float_tensors(model, quantized).items()}
-    fmt = ct if cfg.format == "compressed-tensors" else gptq_format
-    if fmt is gptq_format:
-        gptq_format.check_modules(quantized)
-    if fmt is ct:
-        ct.check_consumers_can_load(model, quantized)
-    for name, module in quantized.items():
-        tensors.update(fmt.module_tensors(name, module, dtype))
-    qconfig = fmt.quantization_config(quantized, _float_linears(model, quantized))
-    kv = kv_scales.kv_config(model)
-    if kv is not None:
-        tensors.update(kv_scales.scale_tensors(model, torch.float32))
-    save_tensors(tensors, folder / WEIGHTS, metadata={"format": "pt"})
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(folder)
-    if cfg.format == "gptq":
-        extra_files = {**extra_files, GPTQ_CONFIG: json.dumps(qconfig, indent=2)}
-    for name, text in extra_files.items():
-        (folder / name).write_text(text, encoding="utf-8")
-    config = model.config.to_dict()
-    config["dtype"] = cfg.dtype
-    config.pop("_name_or_path", None)  # where the source sat on this machine: not part of the checkpoint
-    config.pop("quantization_config", None)
-    if ct.is_quantized(model.get_output_embeddings()):
-        config["tie_word_embeddings"] = False  # a quantized head no longer shares the float embedding
-    if quantized:
-        config["quantization_config"] = qconfig
-    if kv is not None:
-        kv_scales.add_to_config(config, kv)
-    (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
-
-
-def _float_tensors(model: nn.Module, quantized: dict) -> dict[str, torch.Tensor]:
-    """Every tensor except those of quantized modules, shared (tied) storage written once."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in model.state_dict().items():
-        owner = name.rsplit(".", 1)[0]
-        if owner in quantized:
-            continue
-        ptr = tensor.data_ptr()
-        if ptr in seen:
-            continue  # tied to a tensor already written (lm_head <- embed_tokens)
-        seen.add(ptr)
-        out[name] = tensor.detach().contiguous()
-    return out
-
-
-def _float_linears(model, quantized) -> list[str]:
-    """Names for the config's ignore list: linears that stay float (ignored or not targeted)."""
-    from lowbit.calibrate.arch import is_linear
-
-    return [n for n, m in model.named_modules() if is_linear(m) and n not in quantized]
 
 
 def publish(staging: Path, out_dir: Path) -> None:

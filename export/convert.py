@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from .checkpoint import is_checkpoint, save
-from .config import DTYPES, FORMATS, ExportConfig
+from .config import DTYPES, ExportConfig
 from .manifest import MANIFEST, verify_manifest
 from .reader import load
 
@@ -20,12 +20,10 @@ def convert(source: str | Path, output: str | Path, fmt: str, overwrite: bool = 
                                 "or model.safetensors.index.json)")
     if Path(output).resolve() == source.resolve():
         raise ValueError(f"--output {output} is the source checkpoint; choose another folder")
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(FORMATS)}")
+    cfg = ExportConfig(format=fmt, overwrite=overwrite, dtype=dtype or _source_dtype(source))  # checks fmt
     problems = verify_manifest(source) if (source / MANIFEST).is_file() else []
     if problems:
         raise ValueError(f"{source} does not match its {MANIFEST}: {'; '.join(problems[:3])}")
-    cfg = ExportConfig(format=fmt, overwrite=overwrite, dtype=dtype or _source_dtype(source))
     model, tokenizer = load(source)
     extra = {name: (source / name).read_text(encoding="utf-8") for name in PROVENANCE if (source / name).is_file()}
     return save(model, tokenizer, output, cfg, extra_files=extra)

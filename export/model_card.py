@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .formats.registry import format_of
 from .manifest import MANIFEST, write_manifest, write_text_atomic
 
 CARD = "README.md"
@@ -14,15 +15,17 @@ def write_model_card(folder: str | Path, results: dict, name: str | None = None)
     `name` titles the card: the folder's name once published (default: this folder's)."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    text = render_card(results, config.get("quantization_config") or {}, name or folder.name)
+    text = render_card(results, config, name or folder.name)
     write_text_atomic(folder / CARD, text)
     if (folder / MANIFEST).is_file():
         write_manifest(folder)  # now also covering results.json and README.md
     return folder / CARD
 
 
-def render_card(results: dict, qconfig: dict, name: str) -> str:
+def render_card(results: dict, config: dict, name: str) -> str:
+    """The card for a checkpoint whose config.json holds `config`; its format says how to load it."""
     model, recipe = results.get("model", {}), results.get("recipe", {})
+    fmt = format_of(config)
     lines = [f"# {name}", "",
              f"`{model.get('id', '?')}` quantized with lowbit {results.get('lowbit_version', '')}: "
              f"recipe **{recipe.get('name', '?')}** — {recipe.get('description', '')}".rstrip(" —"), "",
@@ -31,11 +34,11 @@ def render_card(results: dict, qconfig: dict, name: str) -> str:
              f"{model.get('params', 0) / 1e6:.1f}M parameters) |",
              f"| Scheme | {_scheme(recipe)} |",
              f"| Not quantized | {', '.join(recipe.get('ignore', [])) or 'nothing'} |",
-             f"| Format | {_format(qconfig)} |",
+             f"| Format | {fmt.describe(config) if fmt else _unregistered(config)} |",
              f"| Calibration data | {_calibration(results)} |",
              *_quality_rows(results.get("quality", {})),
              *_memory_rows(results.get("memory", {})),
-             "", "## Loading", "", *_loading(qconfig), "",
+             "", "## Loading", "", *(fmt.loading(config) if fmt else _PLAIN_LOADING), "",
              f"`results.json` holds every figure with its protocol; `recipe.yaml` the resolved recipe; "
              f"`{MANIFEST}` every file's size and sha256.", ""]
     return "\n".join(lines)
@@ -59,15 +62,12 @@ def _flat(options: dict) -> dict:
     return out
 
 
-def _format(qconfig: dict) -> str:
-    method = qconfig.get("quant_method")
-    if method is None:
-        return "float safetensors"
-    if method == "gptq":
-        return (f"GPTQ, v1 zero points ({qconfig.get('bits')}-bit, group_size {qconfig.get('group_size')}, "
-                f"desc_act {str(qconfig.get('desc_act')).lower()})")
-    detail = qconfig.get("format") or qconfig.get("checkpoint_format", "")
-    return f"{method} ({detail})" if detail else method
+def _unregistered(config: dict) -> str:
+    """A config no registered format detects: a float checkpoint, or another tool's quant_method."""
+    return (config.get("quantization_config") or {}).get("quant_method") or "float safetensors"
+
+
+_PLAIN_LOADING = ["`AutoModelForCausalLM.from_pretrained(path)` (transformers)."]
 
 
 def _calibration(results: dict) -> str:
@@ -98,19 +98,3 @@ def _memory_rows(m: dict) -> list[str]:
         row += f" (16-bit baseline {m['baseline_weight_bytes'] / 2**20:.1f} MiB, " \
                f"{m['weight_bytes'] / m['baseline_weight_bytes']:.2f}×)"
     return [row + " |"]
-
-
-def _loading(qconfig: dict) -> list[str]:
-    if qconfig.get("quant_method") == "gptq":
-        return ["GPTQ format (`quantize_config.json`): load with GPTQModel, e.g.",
-                "`GPTQModel.load(path)`, or with transformers when gptqmodel and optimum are installed."]
-    load = "AutoModelForCausalLM.from_pretrained(path)"
-    note = []
-    if any(not (g.get("weights") or {}).get("symmetric", True) for g in (qconfig.get("config_groups") or {}).values()):
-        load = "AutoModelForCausalLM.from_pretrained(path, quantization_config=CompressedTensorsConfig(dequantize=True))"
-        note = ["Asymmetric weights: compressed-tensors 0.20.1's default (compressed) load path rejects packed",
-                "zero points, so dequantize on load as above."]
-    return ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig",
-            f"model = {load}  # needs the compressed-tensors package",
-            "tokenizer = AutoTokenizer.from_pretrained(path)", "```", *note,
-            "vLLM reads the compressed-tensors format too (`vllm serve path`); lowbit's tests cover transformers."]

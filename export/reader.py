@@ -1,5 +1,5 @@
-"""Read a checkpoint into lowbit's runtime modules: lowbit's own exports (compressed-tensors or
-GPTQ format) and compressed-tensors checkpoints written by other tools (single or sharded)."""
+"""Read a checkpoint into lowbit's runtime modules: lowbit's own exports in any registered format
+and checkpoints other tools wrote in one (compressed-tensors, single or sharded; plain float)."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from . import compressed_tensors as ct
-from . import gptq_format, kv_scales
+from . import kv_scales
+from .formats.hf_folder import is_quantized
+from .formats.registry import FORMATS, format_of
 
 INDEX = "model.safetensors.index.json"
 
@@ -26,13 +27,13 @@ def load(folder: str | Path, dtype: torch.dtype = torch.float32, trust_remote_co
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is not a checkpoint folder (no config.json)")
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    qconfig = config.to_dict().get("quantization_config")
+    config_dict = config.to_dict()
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # we build the runtime modules ourselves
     tensors = read_tensors(folder)
     with no_init_weights():  # every tensor is overwritten from the file; skip random init
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
-    _install_quantized(model, tensors, qconfig, folder)
+    _install_quantized(model, tensors, config_dict, f"{folder}/config.json")
     kv_scales.restore(model, config.to_dict(), tensors)
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     _load_float(model, tensors, folder)
@@ -58,26 +59,24 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _install_quantized(model, tensors, qconfig, folder) -> None:
-    method = (qconfig or {}).get("quant_method")
-    where = f"{folder}/config.json"
-    if method == gptq_format.QUANT_METHOD:
-        for prefix in gptq_format.quantized_prefixes(tensors):
-            model.set_submodule(prefix, gptq_format.build_module(prefix, tensors, qconfig))
-        return
-    prefixes = ct.quantized_prefixes(tensors)
-    if prefixes and method != ct.QUANT_METHOD:
-        raise ValueError(f"{where}: quantized tensors ({prefixes[0]}, …) but quantization_config.quant_method "
-                         f"is {method!r}; lowbit reads 'compressed-tensors' and 'gptq'")
-    for prefix in prefixes:
-        model.set_submodule(prefix, ct.build_module(prefix, tensors, qconfig, where))
+def _install_quantized(model, tensors, config: dict, where: str) -> None:
+    fmt = format_of(config)
+    if fmt is not None:
+        fmt.read(model, tensors, config, where)
+    elif config.get("quantization_config"):  # a float checkpoint (none) has nothing to install
+        method = config["quantization_config"].get("quant_method")
+        known = model.state_dict().keys()
+        foreign = next((k for k in sorted(tensors) if k not in known), None)
+        what = f"quantized tensors ({foreign.rpartition('.')[0]}, …) but " if foreign else ""
+        raise ValueError(f"{where}: {what}quantization_config.quant_method is {method!r}; "
+                         f"lowbit reads the formats {', '.join(map(repr, FORMATS))}")
 
 
 def _load_float(model, tensors, folder) -> None:
     result = model.load_state_dict(tensors, strict=False, assign=True)
-    if getattr(model.config, "tie_word_embeddings", False) and not ct.is_quantized(model.get_output_embeddings()):
+    if getattr(model.config, "tie_word_embeddings", False) and not is_quantized(model.get_output_embeddings()):
         model.tie_weights()
-    quantized = {n for n, m in model.named_modules() if ct.is_quantized(m)}
+    quantized = {n for n, m in model.named_modules() if is_quantized(m)}
     missing = [k for k in result.missing_keys
                if k.rpartition(".")[0] not in quantized and not _tied(model, k)]
     if missing or result.unexpected_keys:

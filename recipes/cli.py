@@ -8,7 +8,8 @@ from pathlib import Path
 from lowbit.calibrate.corpora import CORPORA
 from lowbit.calibrate.models import BUILTIN_MODELS
 from lowbit.evaluate.config import MissingPackageError
-from lowbit.export.config import DTYPES, FORMATS
+from lowbit.export.config import DTYPES
+from lowbit.export.formats.registry import FORMATS
 
 from .schema import load_recipe, shipped_recipes
 from .validate import RecipeError
@@ -51,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=_cmd_run)
     export = sub.add_parser("export", help="rewrite a checkpoint in another format")
     export.add_argument("checkpoint", help="checkpoint folder (lowbit's, or compressed-tensors from other tools)")
-    export.add_argument("--format", required=True, choices=FORMATS)
+    export.add_argument("--format", required=True, choices=list(FORMATS),
+                        help="; ".join(f.summary for f in FORMATS.values()))
     export.add_argument("--output", required=True, help="folder to write")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     export.add_argument("--dtype", choices=DTYPES,

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from lowbit.export import compressed_tensors as ct
+from lowbit.export.formats import compressed_tensors as ct
 from lowbit.export.checkpoint import is_lowbit_export, publish
 from lowbit.export.files import save_tensors
 from lowbit.export.manifest import write_text_atomic

@@ -6,7 +6,8 @@ import torch
 
 from export_helpers import (W4_GROUP, act_order_tiny, compare_logits, dense_in, load_without_tokenizer,
                             quantized_tiny, rounded_like_export, token_ids)
-from lowbit.export import checkpoint, ct_packed
+from lowbit.export import checkpoint
+from lowbit.export.formats.compressed_tensors import packed as ct_packed
 from lowbit.export.config import ExportConfig
 from lowbit.quantize.grids.integer import IntScheme, pack_codes, unpack_codes
 from lowbit.quantize.runtime.qlinear import QuantLinear

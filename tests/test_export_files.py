@@ -50,12 +50,13 @@ import safetensors.torch
 from export_helpers import quantized_tiny
 from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
+from lowbit.export.formats import hf_folder
 
-real = checkpoint.save_tensors
+real = hf_folder.save_tensors
 def save_then_die(tensors, path, metadata=None):
     real(tensors, path, metadata=metadata)
     os._exit(9)  # killed after the weights, before config.json and the manifest: no cleanup runs
-checkpoint.save_tensors = save_then_die
+hf_folder.save_tensors = save_then_die  # where every format writes its weights
 checkpoint.save(quantized_tiny(), None, sys.argv[1], ExportConfig(overwrite=True))
 """
 

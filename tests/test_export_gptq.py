@@ -6,7 +6,8 @@ import torch
 
 from export_helpers import (W4_GROUP, act_order_tiny, compare_logits, load_without_tokenizer,
                             quantized_tiny, token_ids)
-from lowbit.export import checkpoint, gptq_format
+from lowbit.export import checkpoint
+from lowbit.export.formats import gptq as gptq_format
 from lowbit.export.config import ExportConfig
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.runtime.qlinear import QuantLinear

@@ -13,7 +13,7 @@ import torch
 from lowbit.quantize.grids.inputs import InputQuant
 from lowbit.quantize.runtime.qlinear import QuantLinear
 
-from .ct_packed import scheme_from_args
+from .packed import scheme_from_args
 
 FORMAT = "int-quantized"
 

@@ -11,14 +11,21 @@ scale to every output channel, which is exact.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from lowbit.quantize.grids.integer import IntScheme, pack_codes, unpack_codes
 from lowbit.quantize.runtime.qlinear import QuantLinear
 
-from .ct_packed import is_plain_grouping
+from .base import ExportFormat
+from .compressed_tensors.packed import is_plain_grouping
+from .hf_folder import (checkpoint_tensors, float_linears, quant_method, quantized_modules,
+                         write_quantized)
 
 QUANT_METHOD = "gptq"
+GPTQ_CONFIG = "quantize_config.json"  # what GPTQModel and AutoGPTQ read beside config.json
 SUPPORTED_BITS = (2, 3, 4, 8)
 ZERO_OFFSET = 1  # v1: the file stores zero - 1
 
@@ -121,3 +128,32 @@ def build_module(prefix: str, tensors: dict[str, torch.Tensor], qconfig: dict) -
 
 def quantized_prefixes(tensors: dict[str, torch.Tensor]) -> list[str]:
     return sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
+
+
+class GPTQFormat(ExportFormat):
+    name = QUANT_METHOD
+    summary = "gptq: GPTQ v1 qweight/qzeros/scales/g_idx, one integer scheme per model, for GPTQModel and AutoGPTQ"
+
+    def write(self, model, tokenizer, folder: Path, cfg, extra_files: dict[str, str]) -> None:
+        quantized = quantized_modules(model)
+        check_modules(quantized)
+        tensors = checkpoint_tensors(model, quantized, getattr(torch, cfg.dtype), module_tensors)
+        qconfig = quantization_config(quantized, float_linears(model, quantized))
+        extra_files = {**extra_files, GPTQ_CONFIG: json.dumps(qconfig, indent=2)}
+        write_quantized(folder, model, tokenizer, tensors, qconfig if quantized else None, cfg.dtype, extra_files)
+
+    def detects(self, config: dict) -> bool:
+        return quant_method(config) == QUANT_METHOD
+
+    def read(self, model, tensors, config: dict, where: str) -> None:
+        for prefix in quantized_prefixes(tensors):
+            model.set_submodule(prefix, build_module(prefix, tensors, config["quantization_config"]))
+
+    def describe(self, config: dict) -> str:
+        q = config["quantization_config"]
+        return (f"GPTQ, v1 zero points ({q.get('bits')}-bit, group_size {q.get('group_size')}, "
+                f"desc_act {str(q.get('desc_act')).lower()})")
+
+    def loading(self, config: dict) -> list[str]:
+        return ["GPTQ format (`quantize_config.json`): load with GPTQModel, e.g.",
+                "`GPTQModel.load(path)`, or with transformers when gptqmodel and optimum are installed."]

@@ -1,9 +1,7 @@
-"""The compressed-tensors checkpoint format: what vLLM and transformers load natively.
-
-This file builds `quantization_config` and dispatches each quantized module to the codec of its
-scheme family. A codec is a module with handles(module), reads(group), scheme_entry(name,
-module), module_tensors(prefix, module, dtype) and build_module(prefix, tensors, group);
-add a scheme by adding its codec to CODECS.
+"""compressed-tensors' layers: `quantization_config`, and each quantized module sent to the codec
+of its scheme family. A codec (int8.py, packed.py, fp8.py) is a module with handles(module),
+reads(group), scheme_entry(name, module), module_tensors(prefix, module, dtype) and
+build_module(prefix, tensors, group); add a scheme by adding its codec to CODECS.
 """
 from __future__ import annotations
 
@@ -13,10 +11,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from . import ct_fp8, ct_int8, ct_packed
+from . import fp8, int8, packed
 
 QUANT_METHOD = "compressed-tensors"
-CODECS = [ct_int8, ct_packed, ct_fp8]  # first match wins: W8A8 before weight-only
+CODECS = [int8, packed, fp8]  # first match wins: W8A8 before weight-only
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
 

@@ -1,0 +1,1 @@
+"""Checkpoint formats behind one interface (base.ExportFormat), listed in registry.FORMATS."""

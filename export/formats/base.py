@@ -1,0 +1,49 @@
+"""What an export format is: the one interface checkpoint writing, reading, `lowbit export`, the
+model card and the weight-bytes figure go through. A format is an instance of a subclass,
+registered by name in registry.FORMATS."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .hf_folder import safetensors_bytes
+
+if TYPE_CHECKING:
+    from lowbit.export.config import ExportConfig
+
+
+class ExportFormat(ABC):
+    name: str  # the value of export.format and `lowbit export --format`
+    summary: str  # one line: what the format holds and who loads it
+
+    @abstractmethod
+    def write(self, model: nn.Module, tokenizer, folder: Path, cfg: ExportConfig,
+              extra_files: dict[str, str]) -> None:
+        """Write the whole checkpoint (tensors, config.json, tokenizer, extra_files) into `folder`,
+        an empty staging folder; checkpoint.save publishes it and writes the manifest."""
+
+    @abstractmethod
+    def detects(self, config: dict) -> bool:
+        """Whether a checkpoint whose config.json holds `config` is in this format."""
+
+    @abstractmethod
+    def read(self, model: nn.Module, tensors: dict[str, torch.Tensor], config: dict, where: str) -> None:
+        """Put lowbit's runtime modules into `model` (built from config.json) for the quantized layers,
+        popping their tensors; the float tensors left are loaded by the caller. `where` names the
+        file for errors."""
+
+    def weight_bytes(self, folder: Path) -> int:
+        """Bytes of the weight tensors as written (codes, scales, float weights)."""
+        return safetensors_bytes(folder)
+
+    @abstractmethod
+    def describe(self, config: dict) -> str:
+        """The model card's Format cell for a checkpoint with this config."""
+
+    @abstractmethod
+    def loading(self, config: dict) -> list[str]:
+        """The model card's "Loading" lines (markdown): how other tools load the checkpoint."""

@@ -1,0 +1,117 @@
+"""The pieces every safetensors format shares: a transformers checkpoint folder (config.json,
+model.safetensors, tokenizer, generation config) and the float tensors beside quantized layers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from lowbit.export import kv_scales
+from lowbit.export.files import save_tensors
+from lowbit.quantize.runtime.fp8_linear import FP8Linear
+from lowbit.quantize.runtime.qlinear import QuantLinear
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+def is_quantized(module: nn.Module) -> bool:
+    """A lowbit runtime module (integer or FP8 weights) where the float model had a linear."""
+    return isinstance(module, (QuantLinear, FP8Linear))
+
+
+def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if is_quantized(m)}
+
+
+def quant_method(config: dict) -> str | None:
+    return (config.get("quantization_config") or {}).get("quant_method")
+
+
+def checkpoint_tensors(model: nn.Module, quantized: dict, dtype: torch.dtype, module_tensors) -> dict:
+    """The float tensors, then each quantized module's as the format's module_tensors writes them."""
+    tensors = float_tensors(model, quantized, dtype)
+    for name, module in quantized.items():
+        tensors.update(module_tensors(name, module, dtype))
+    return tensors
+
+
+def float_tensors(model: nn.Module, quantized: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor except those of quantized modules (floats cast to dtype), shared (tied) storage
+    written once."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name.rsplit(".", 1)[0] in quantized:
+            continue
+        ptr = tensor.data_ptr()
+        if ptr in seen:
+            continue  # tied to a tensor already written (lm_head <- embed_tokens)
+        seen.add(ptr)
+        tensor = tensor.detach().contiguous()
+        out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return out
+
+
+def float_linears(model: nn.Module, quantized: dict) -> list[str]:
+    """Names for a config's ignore list: linears that stay float (ignored or not targeted)."""
+    from lowbit.calibrate.arch import is_linear
+
+    return [n for n, m in model.named_modules() if is_linear(m) and n not in quantized]
+
+
+def base_config(model: nn.Module, dtype: str) -> dict:
+    """config.json as transformers writes it, with what a lowbit export changes in it."""
+    config = model.config.to_dict()
+    config["dtype"] = dtype
+    config.pop("_name_or_path", None)  # where the source sat on this machine: not part of the checkpoint
+    config.pop("quantization_config", None)
+    if is_quantized(model.get_output_embeddings()):
+        config["tie_word_embeddings"] = False  # a quantized head no longer shares the float embedding
+    return config
+
+
+def write_quantized(folder: Path, model, tokenizer, tensors: dict, qconfig: dict | None, dtype: str,
+                    extra_files: dict[str, str]) -> None:
+    """A quantized format's folder: its quantization_config and the KV-cache scales and scheme."""
+    config = base_config(model, dtype)
+    if qconfig is not None:
+        config["quantization_config"] = qconfig
+    kv = kv_scales.kv_config(model)
+    if kv is not None:
+        tensors.update(kv_scales.scale_tensors(model, torch.float32))
+        kv_scales.add_to_config(config, kv)
+    write_folder(folder, model, tokenizer, tensors, config, extra_files)
+
+
+def write_folder(folder: Path, model, tokenizer, tensors: dict, config: dict, extra_files: dict[str, str]) -> None:
+    save_tensors(tensors, folder / WEIGHTS, metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    for name, text in extra_files.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+
+
+def safetensors_bytes(folder: str | Path) -> int:
+    """Bytes of every tensor in a folder's safetensors files, read from their headers."""
+    total = 0
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                t = f.get_slice(key)
+                numel = 1
+                for d in t.get_shape():
+                    numel *= d
+                total += numel * _dtype_bytes(t.get_dtype())
+    return total
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"F64": 8, "F32": 4, "I32": 4, "U32": 4, "I64": 8, "BF16": 2, "F16": 2, "I16": 2,
+            "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}[dtype]
