@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from lowbit.quantize.runtime.modules import is_quantized_linear
+
 from . import kv_scales
-from .formats.hf_folder import is_quantized
 from .formats.registry import FORMATS, format_of
 
 INDEX = "model.safetensors.index.json"
@@ -74,9 +75,9 @@ def _install_quantized(model, tensors, config: dict, where: str) -> None:
 
 def _load_float(model, tensors, folder) -> None:
     result = model.load_state_dict(tensors, strict=False, assign=True)
-    if getattr(model.config, "tie_word_embeddings", False) and not is_quantized(model.get_output_embeddings()):
+    if getattr(model.config, "tie_word_embeddings", False) and not is_quantized_linear(model.get_output_embeddings()):
         model.tie_weights()
-    quantized = {n for n, m in model.named_modules() if is_quantized(m)}
+    quantized = {n for n, m in model.named_modules() if is_quantized_linear(m)}
     missing = [k for k in result.missing_keys
                if k.rpartition(".")[0] not in quantized and not _tied(model, k)]
     if missing or result.unexpected_keys:

@@ -20,6 +20,7 @@ from lowbit.quantize.grids.kv import KVCacheConfig
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.runtime.fp8_linear import FP8Linear
 from lowbit.quantize.runtime.kv_cache import SCALE_NAMES, attention_modules
+from lowbit.quantize.runtime.modules import is_quantized_linear
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.targets import is_ignored
 
@@ -33,9 +34,6 @@ class AuditError(ValueError):
 def describe_module(module: nn.Module) -> str:
     return module.linear_scheme().describe() if is_quantized_linear(module) else f"float {type(module).__name__}"
 
-
-def is_quantized_linear(module: nn.Module) -> bool:
-    return isinstance(module, (QuantLinear, FP8Linear))
 
 
 @dataclass

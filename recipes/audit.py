@@ -19,8 +19,8 @@ from lowbit.calibrate.arch import Arch, arch_for, is_linear
 from lowbit.export import checkpoint, kv_scales
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.steps.registry import STEPS
-from lowbit.quantize.audit import (AuditReport, audit_model, damping_notes, is_quantized_linear,
-                                   planned_targets)
+from lowbit.quantize.audit import AuditReport, audit_model, damping_notes, planned_targets
+from lowbit.quantize.runtime.modules import is_quantized_linear
 from lowbit.quantize.grids.kv import KVCacheConfig
 from lowbit.quantize.grids.integer import IntScheme
 

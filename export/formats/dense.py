@@ -12,7 +12,7 @@ from torch import nn
 from lowbit.export import kv_scales
 
 from .base import ExportFormat
-from .hf_folder import base_config, checkpoint_tensors, quantized_modules, write_folder
+from .hf_folder import base_config, checkpoint_tensors, native_modules, quantized_modules, write_folder
 
 
 class DenseFormat(ExportFormat):
@@ -25,7 +25,7 @@ class DenseFormat(ExportFormat):
         transposed = _conv1d_names(model, quantized)
 
         def module_tensors(prefix: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-            weight = _dequantized(module)
+            weight = module.dequantized_weight().float()
             out = {f"{prefix}.weight": (weight.t() if prefix in transposed else weight).to(dtype).contiguous()}
             if module.bias is not None:
                 out[f"{prefix}.bias"] = module.bias.to(dtype)
@@ -52,17 +52,8 @@ class DenseFormat(ExportFormat):
                 "A plain transformers checkpoint: no quantization package needed."]
 
 
-def _dequantized(module: nn.Module) -> torch.Tensor:
-    """The (out, in) float32 weight a quantized module multiplies by."""
-    if hasattr(module, "dequantized_weight"):
-        return module.dequantized_weight().float()  # QuantLinear
-    return module.fp8_weight().dequantize().float()  # FP8Linear
-
-
 def _conv1d_names(model: nn.Module, names) -> set[str]:
     """Layers the architecture builds as GPT-2's Conv1D, whose weight is stored (in, out)."""
     from transformers.pytorch_utils import Conv1D
 
-    with torch.device("meta"):
-        skeleton = type(model)(model.config)  # the architecture's own module types, no memory
-    return {n for n in names if isinstance(skeleton.get_submodule(n), Conv1D)}
+    return {n for n, m in native_modules(model, names).items() if isinstance(m, Conv1D)}

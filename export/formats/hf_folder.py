@@ -11,20 +11,14 @@ from torch import nn
 
 from lowbit.export import kv_scales
 from lowbit.export.files import save_tensors
-from lowbit.quantize.runtime.fp8_linear import FP8Linear
-from lowbit.quantize.runtime.qlinear import QuantLinear
+from lowbit.quantize.runtime.modules import is_quantized_linear
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 
 
-def is_quantized(module: nn.Module) -> bool:
-    """A lowbit runtime module (integer or FP8 weights) where the float model had a linear."""
-    return isinstance(module, (QuantLinear, FP8Linear))
-
-
 def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
-    return {n: m for n, m in model.named_modules() if is_quantized(m)}
+    return {n: m for n, m in model.named_modules() if is_quantized_linear(m)}
 
 
 def quant_method(config: dict) -> str | None:
@@ -56,6 +50,14 @@ def float_tensors(model: nn.Module, quantized: dict, dtype: torch.dtype) -> dict
     return out
 
 
+def native_modules(model: nn.Module, names) -> dict[str, nn.Module]:
+    """The modules the architecture itself builds at `names` (before lowbit replaced them), from a
+    skeleton on the meta device: no memory."""
+    with torch.device("meta"):
+        skeleton = type(model)(model.config)
+    return {n: skeleton.get_submodule(n) for n in names}
+
+
 def float_linears(model: nn.Module, quantized: dict) -> list[str]:
     """Names for a config's ignore list: linears that stay float (ignored or not targeted)."""
     from lowbit.calibrate.arch import is_linear
@@ -69,7 +71,7 @@ def base_config(model: nn.Module, dtype: str) -> dict:
     config["dtype"] = dtype
     config.pop("_name_or_path", None)  # where the source sat on this machine: not part of the checkpoint
     config.pop("quantization_config", None)
-    if is_quantized(model.get_output_embeddings()):
+    if is_quantized_linear(model.get_output_embeddings()):
         config["tie_word_embeddings"] = False  # a quantized head no longer shares the float embedding
     return config
 

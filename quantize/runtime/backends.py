@@ -26,6 +26,7 @@ from torch import nn
 from lowbit.calibrate.hardware import cpu_info
 from lowbit.quantize.runtime import cpu_kernels, cuda_kernels
 from lowbit.quantize.runtime.fp8_linear import FP8Linear
+from lowbit.quantize.runtime.modules import is_quantized_linear
 from lowbit.quantize.runtime.qlinear import QuantLinear
 
 Backend = Literal["reference", "auto", "cpu_avx512", "cpu_avx2", "cuda_int4", "cuda_int8"]
@@ -42,7 +43,7 @@ def prepare(model: nn.Module, backend: Backend = "auto") -> dict[str, str]:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
     chosen = {}
     for name, module in model.named_modules():
-        if isinstance(module, (QuantLinear, FP8Linear)):
+        if is_quantized_linear(module):
             module.kernel, chosen[name] = make_kernel(module, backend)
     return chosen
 

@@ -64,6 +64,9 @@ class FP8Linear(nn.Module):
     def fp8_weight(self) -> FP8Weight:
         return FP8Weight(self.weight, self.weight_scale, self.fmt, self.weight_strategy, self.block_size)
 
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.fp8_weight().dequantize()
+
     def linear_scheme(self) -> LinearScheme:
         return LinearScheme(FP8Scheme(self.fmt, self.weight_strategy, self.block_size), self.activations)
 
@@ -81,7 +84,7 @@ class FP8Linear(nn.Module):
     def _forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations != "none":
             x = fake_quantize_activation(x, self.input_scale_for(x), self.fmt)
-        w = self.fp8_weight().dequantize().to(x.dtype)
+        w = self.dequantized_weight().to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     def can_use_scaled_mm(self, x: torch.Tensor) -> bool:

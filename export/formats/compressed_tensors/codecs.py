@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ..hf_folder import native_modules
 from . import fp8, int8, packed
 
 QUANT_METHOD = "compressed-tensors"
@@ -56,11 +57,10 @@ def quantization_config(modules: dict[str, nn.Module], ignore: Iterable[str]) ->
 def check_consumers_can_load(model: nn.Module, names: Iterable[str]) -> None:
     """compressed-tensors quantizes torch Linear modules only: a quantized GPT-2 Conv1D would be
     skipped by transformers, which then loads it randomly initialised with only a warning."""
-    with torch.device("meta"):
-        skeleton = type(model)(model.config)  # the architecture's own module types, no memory
-    other = [n for n in names if not isinstance(skeleton.get_submodule(n), nn.Linear)]
+    native = native_modules(model, names)
+    other = [n for n, m in native.items() if not isinstance(m, nn.Linear)]
     if other:
-        kinds = sorted({type(skeleton.get_submodule(n)).__name__ for n in other})
+        kinds = sorted({type(native[n]).__name__ for n in other})
         raise ValueError(
             f"layers {other[:3]}{' …' if len(other) > 3 else ''} are {', '.join(kinds)} in "
             f"{type(model).__name__}, not torch Linear; compressed-tensors cannot describe them and "

@@ -1,0 +1,14 @@
+"""The runtime's quantized linear modules, named once for everything that asks "is this one?"."""
+from __future__ import annotations
+
+from torch import nn
+
+from lowbit.quantize.runtime.fp8_linear import FP8Linear
+from lowbit.quantize.runtime.qlinear import QuantLinear
+
+QUANTIZED_LINEARS = (QuantLinear, FP8Linear)
+
+
+def is_quantized_linear(module: nn.Module) -> bool:
+    """A lowbit runtime module (integer or FP8 weights) where the float model had a linear."""
+    return isinstance(module, QUANTIZED_LINEARS)
