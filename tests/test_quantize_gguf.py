@@ -11,7 +11,7 @@ from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme, quantize_gguf, round
 from lowbit.quantize.grids.gguf_packing import pack, unpack
 
 TYPES = sorted(LAYOUTS)
-LEGACY = ["q4_0", "q4_1", "q8_0"]  # the types gguf 0.19's quants.quantize implements
+LEGACY = ["q4_0", "q4_1", "q5_0", "q8_0"]  # the types gguf 0.19's quants.quantize implements (of ours)
 
 
 def _weights(cols=1024, rows=12, seed=0):
@@ -73,7 +73,7 @@ def test_arbitrary_blocks_unpack_pack_and_dequantize_exactly(kind):
 
 
 def _half_offsets(kind):
-    return {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q6_k": [208]}[kind]
+    return {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q4_k": [0, 2], "q6_k": [208]}[kind]
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -104,11 +104,12 @@ def test_error_falls_with_bits_and_k_quants_beat_q4_0():
     rmse = {k: float((quantize_gguf(W, GGUFScheme(k)).dequantize() - W).square().mean().sqrt()) for k in TYPES}
     assert rmse["q8_0"] < rmse["q6_k"] < rmse["q4_k"] < rmse["q4_0"]
     assert rmse["q4_1"] < rmse["q4_0"]
+    assert rmse["q5_0"] < rmse["q4_k"]
 
 
 def test_bits_per_weight():
     bits = {k: GGUFScheme(k).bits_per_weight for k in TYPES}
-    assert bits == {"q4_0": 4.5, "q4_1": 5.0, "q4_k": 4.5, "q6_k": 6.5625, "q8_0": 8.5}
+    assert bits == {"q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q4_k": 4.5, "q6_k": 6.5625, "q8_0": 8.5}
     for kind in TYPES:  # what the packing writes
         data = pack(quantize_gguf(torch.randn(2, 512), GGUFScheme(kind)))
         assert data.numel() * 8 / (2 * 512) == bits[kind]

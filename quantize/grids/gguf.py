@@ -1,4 +1,4 @@
-"""GGML's block formats Q8_0, Q4_0, Q4_1, Q4_K and Q6_K as pure torch functions.
+"""GGML's block formats Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K as pure torch functions.
 
 A weight (rows, in_features) is cut into blocks along each row (32 weights; 256 for the
 K-quants, whose super-blocks hold 8 sub-blocks of 32 (Q4_K) or 16 of 16 (Q6_K)). Every format
@@ -31,6 +31,7 @@ LAYOUTS = {
     "q8_0": _Layout(32, 32, 34, -128, 127, False),
     "q4_0": _Layout(32, 32, 18, -8, 7, False),
     "q4_1": _Layout(32, 32, 20, 0, 15, True),
+    "q5_0": _Layout(32, 32, 22, -16, 15, False),
     "q4_k": _Layout(256, 32, 144, 0, 15, True),
     "q6_k": _Layout(256, 16, 210, -32, 31, False),
 }
@@ -131,7 +132,7 @@ def _spread(t: torch.Tensor, sub: int) -> torch.Tensor:
 
 def quantize_gguf(W: torch.Tensor, scheme: GGUFScheme, name: str = "weight") -> GGUFWeight:
     """Round to nearest the way llama.cpp's reference quantizer (no importance matrix) does:
-    Q8_0, Q4_0 and Q4_1 byte for byte as `gguf.quants.quantize`; the K-quants by llama.cpp's
+    Q8_0, Q4_0, Q4_1 and Q5_0 byte for byte as `gguf.quants.quantize`; the K-quants by llama.cpp's
     scale searches (gguf_kquants.py)."""
     scheme.check_weight(W, name)
     rows = W.shape[0]
@@ -154,6 +155,13 @@ def _q4_0(x: torch.Tensor) -> dict:
     return {"levels": q - 8, "d": d.half()}
 
 
+def _q5_0(x: torch.Tensor) -> dict:
+    signed_max = x.gather(1, x.abs().argmax(dim=1, keepdim=True))
+    d = signed_max / -16
+    q = torch.trunc(x * _inverse(d) + 16.5).clamp(0, 31)
+    return {"levels": q - 16, "d": d.half()}
+
+
 def _q4_1(x: torch.Tensor) -> dict:
     lo, hi = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
     d = (hi - lo) / 15
@@ -174,5 +182,5 @@ def _round_half_away(v: torch.Tensor) -> torch.Tensor:
     return torch.sign(v) * (whole + torch.floor(2 * (a - whole)))
 
 
-_REFERENCE = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1,
+_REFERENCE = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0,
               "q4_k": gguf_kquants.q4_k_reference, "q6_k": gguf_kquants.q6_k_reference}

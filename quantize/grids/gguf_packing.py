@@ -3,6 +3,8 @@
   Q8_0  d:f16, 32 × int8
   Q4_0  d:f16, 16 bytes: weight j in byte j's low nibble, weight j + 16 in its high one (level + 8)
   Q4_1  d:f16, m:f16, 16 bytes as Q4_0 (level 0..15)
+  Q5_0  d:f16, qh: 32 bits (bit j: the 5th bit of weight j), 16 bytes of low nibbles as Q4_0
+        (level + 16)
   Q4_K  d:f16, dmin:f16, 12 bytes of eight 6-bit scales and mins, 128 bytes: in each 64-weight
         chunk, weight l in byte l's low nibble and weight 32 + l in its high one
   Q6_K  ql 128 bytes (low 4 bits), qh 64 bytes (high 2 bits), 16 × int8 scales, d:f16;
@@ -86,6 +88,21 @@ def _unpack_q4_1(b):
     return torch.cat([low, high], dim=1), {"d": _half(b[:, :2]), "dmin": _half(b[:, 2:4])}
 
 
+def _pack_q5_0(w, q):
+    q = q + 16
+    bits = (q >> 4) << torch.arange(32, dtype=torch.int64)  # weight j's 5th bit at bit j
+    qh = bits.to(torch.int64).sum(dim=1, keepdim=True).to(torch.int32)  # < 2**32: no overflow
+    low = q & 0xF
+    return _half_bytes(w.d), qh.contiguous().view(torch.uint8), _nibbles(low[:, :16], low[:, 16:])
+
+
+def _unpack_q5_0(b):
+    low, high = _split_nibbles(b[:, 6:])
+    qh = b[:, 2:6].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    fifth = (qh >> torch.arange(32, dtype=torch.int64)) & 1
+    return torch.cat([low, high], dim=1) + (fifth << 4) - 16, {"d": _half(b[:, :2])}
+
+
 def _pack_q4_k(w, q):
     ls = w.sub_scale.reshape(-1, 8).to(torch.int32)
     lm = w.sub_min.reshape(-1, 8).to(torch.int32)
@@ -128,6 +145,7 @@ def _unpack_q6_k(b):
     return levels, {"d": _half(b[:, 208:210]), "sub_scale": scales}
 
 
-_PACK = {"q8_0": _pack_q8_0, "q4_0": _pack_q4_0, "q4_1": _pack_q4_1, "q4_k": _pack_q4_k, "q6_k": _pack_q6_k}
-_UNPACK = {"q8_0": _unpack_q8_0, "q4_0": _unpack_q4_0, "q4_1": _unpack_q4_1,
+_PACK = {"q8_0": _pack_q8_0, "q4_0": _pack_q4_0, "q4_1": _pack_q4_1, "q5_0": _pack_q5_0,
+         "q4_k": _pack_q4_k, "q6_k": _pack_q6_k}
+_UNPACK = {"q8_0": _unpack_q8_0, "q4_0": _unpack_q4_0, "q4_1": _unpack_q4_1, "q5_0": _unpack_q5_0,
            "q4_k": _unpack_q4_k, "q6_k": _unpack_q6_k}

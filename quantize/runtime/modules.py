@@ -4,11 +4,12 @@ from __future__ import annotations
 from torch import nn
 
 from lowbit.quantize.runtime.fp8_linear import FP8Linear
+from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 from lowbit.quantize.runtime.qlinear import QuantLinear
 
-QUANTIZED_LINEARS = (QuantLinear, FP8Linear)
+QUANTIZED_LINEARS = (QuantLinear, FP8Linear, GGUFLinear)
 
 
 def is_quantized_linear(module: nn.Module) -> bool:
-    """A lowbit runtime module (integer or FP8 weights) where the float model had a linear."""
+    """A lowbit runtime module (integer, FP8 or GGUF-block weights) where the float model had a linear."""
     return isinstance(module, QUANTIZED_LINEARS)

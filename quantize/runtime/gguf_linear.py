@@ -1,0 +1,60 @@
+"""GGUFLinear: a linear whose weight is stored as a .gguf tensor stores it, GGML block bytes.
+
+Buffers: `weight` (out, in / block · type_size) uint8, the bytes `gguf_packing.pack` writes (and a
+.gguf file holds, byte for byte); `bias` float32 or None. `scheme` names the block type. The
+exporter copies `weight` as it is, so what a GGUF file holds is exactly what calibration chose.
+
+The forward multiplies by the dequantized weight, decoded once and kept (float32) until the module
+moves: this module is for calibrating, evaluating and exporting, not a fast runtime (llama.cpp is
+the runtime for these files).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight
+from lowbit.quantize.grids.gguf_packing import pack, unpack
+
+
+class GGUFLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, scheme: GGUFScheme, bias: bool):
+        super().__init__()
+        scheme.check_weight(torch.empty(0, in_features))
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        row_bytes = in_features // scheme.block_size * scheme.layout.type_size
+        self.register_buffer("weight", torch.zeros(out_features, row_bytes, dtype=torch.uint8))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        self._dense: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_weight(cls, gw: GGUFWeight, bias: Optional[torch.Tensor]) -> "GGUFLinear":
+        rows, cols = gw.levels.shape
+        m = cls(cols, rows, gw.scheme, bias is not None)
+        m.weight.copy_(pack(gw))
+        if bias is not None:
+            m.bias = bias.detach().float().clone()
+        return m
+
+    def gguf_weight(self) -> GGUFWeight:
+        return unpack(self.weight.cpu(), self.scheme)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.gguf_weight().dequantize().to(self.weight.device)
+
+    def _apply(self, fn, recurse=True):
+        self._dense = None  # moved or cast: decode again from the bytes
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = self.dequantized_weight()
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self._dense.to(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"gguf={self.scheme.type}, bias={self.bias is not None}")
