@@ -15,10 +15,12 @@ import torch
 from torch import nn
 
 from lowbit.calibrate.arch import Arch, arch_for, is_linear, target_linears
+from lowbit.quantize.grids.gguf import GGUFScheme
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.kv import KVCacheConfig
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.runtime.fp8_linear import FP8Linear
+from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 from lowbit.quantize.runtime.kv_cache import SCALE_NAMES, attention_modules
 from lowbit.quantize.runtime.modules import is_quantized_linear
 from lowbit.quantize.runtime.qlinear import QuantLinear
@@ -113,6 +115,10 @@ def audit_model(model: nn.Module, expected: dict[str, LinearScheme], ignored: di
 def check_linear(name: str, module: nn.Module, scheme: LinearScheme,
                  storage_dtype: Optional[torch.dtype] = None) -> list[str]:
     expected = scheme.describe()
+    if isinstance(scheme.weights, GGUFScheme):
+        if not isinstance(module, GGUFLinear):
+            return [f"{name}: is {describe_module(module)}, the recipe asks for {expected}"]
+        return _check_gguf(name, module, scheme)
     if isinstance(scheme.weights, IntScheme):
         if not isinstance(module, QuantLinear):
             return [f"{name}: is {describe_module(module)}, the recipe asks for {expected}"]
@@ -155,6 +161,19 @@ def _check_fp8(name: str, m: FP8Linear, scheme: LinearScheme, storage_dtype) -> 
         problems.append(f"{name}.weight: {nan} NaN of {m.weight.numel()} FP8 values")
     if scheme.inputs == "static":
         problems += _static_input_problems(name, m.input_scale, storage_dtype)
+    return problems
+
+
+def _check_gguf(name: str, m: GGUFLinear, scheme: LinearScheme) -> list[str]:
+    if m.scheme != scheme.weights:
+        return [f"{name}: quantized as {describe_module(m)}, the recipe asks for {scheme.describe()}"]
+    gw = m.gguf_weight()
+    problems = []
+    for field_name in ("d", "dmin"):
+        value = getattr(gw, field_name)
+        bad = 0 if value is None else int((~torch.isfinite(value.float())).sum())
+        if bad:
+            problems.append(f"{name}: {bad} NaN or inf block {field_name} values")
     return problems
 
 

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Optional
 
 from torch import nn
 
-from lowbit.calibrate.arch import Arch, is_linear, target_linears
+from lowbit.calibrate.arch import Arch, decoder_layers, is_linear, linear_weight, target_linears
+from lowbit.quantize.grids.gguf_plan import GGUFTypes, linear_type, output_type
 
 
 def is_ignored(name: str, patterns: tuple[str, ...]) -> bool:
@@ -44,3 +46,20 @@ def select_targets(model: nn.Module, arch: Arch, ignore: tuple[str, ...]) -> Tar
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     model.set_submodule(name, new)
+
+
+def gguf_types(model: nn.Module, arch: Arch, names, types: GGUFTypes) -> dict[str, Optional[str]]:
+    """The GGML type of each named linear under a llama.cpp file type (None: stays 16-bit, its
+    rows split into no block): decoder-layer linears by their role and layer, others (lm_head)
+    as the output matrix."""
+    layers = len(decoder_layers(model, arch))
+    prefix = arch.layers + "."
+    out = {}
+    for name in names:
+        module = model.get_submodule(name)  # float, or already quantized when the audit asks
+        cols = module.in_features if hasattr(module, "in_features") else linear_weight(module).shape[1]
+        if name.startswith(prefix):
+            out[name] = linear_type(types, name, int(name[len(prefix):].split(".")[0]), layers, cols)
+        else:
+            out[name] = output_type(types, cols)
+    return out

@@ -23,6 +23,10 @@ from lowbit.quantize.audit import AuditReport, audit_model, damping_notes, plann
 from lowbit.quantize.runtime.modules import is_quantized_linear
 from lowbit.quantize.grids.kv import KVCacheConfig
 from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.gguf import GGUFScheme
+from lowbit.quantize.grids.gguf_plan import GGUFTypes
+from lowbit.quantize.steps.gguf_rounding import SIXTEEN_BIT
+from lowbit.quantize.targets import gguf_types
 
 from .schema import Recipe, parse_recipe
 
@@ -42,8 +46,8 @@ def expected_schemes(recipe: Recipe, model: nn.Module, arch: Arch):
         spec = STEPS[step.name]
         writes, inputs = spec.writes(step.config), spec.adds_inputs(step.config)
         if writes is not None:
-            for name in targeted:
-                expected.setdefault(name, writes)
+            for name, scheme in _per_linear(writes, model, arch, targeted, ignored).items():
+                expected.setdefault(name, scheme)
         if inputs is not None:
             expected = {n: LinearScheme(s.weights, inputs) if isinstance(s.weights, IntScheme) else s
                         for n, s in expected.items()}
@@ -52,6 +56,20 @@ def expected_schemes(recipe: Recipe, model: nn.Module, arch: Arch):
         if name not in expected:
             ignored[name] = "no weight step in the recipe quantizes it"
     return expected, ignored, kv
+
+
+def _per_linear(writes: LinearScheme, model: nn.Module, arch: Arch, targeted, ignored: dict) -> dict:
+    """What a step leaves on each targeted linear: its one scheme, or under a llama.cpp file type
+    each linear's GGML type (those no block fits stay 16-bit, as the step leaves them)."""
+    if not isinstance(writes.weights, GGUFTypes):
+        return {name: writes for name in targeted}
+    out = {}
+    for name, kind in gguf_types(model, arch, targeted, writes.weights).items():
+        if kind is None:
+            ignored[name] = SIXTEEN_BIT
+        else:
+            out[name] = LinearScheme(GGUFScheme(kind))
+    return out
 
 
 def audit_run(model: nn.Module, recipe: Recipe, arch: Arch, steps: list[dict]) -> AuditReport:

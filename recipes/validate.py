@@ -53,6 +53,8 @@ def convert(hint, value, source: str, key: str):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if len(inner) > 1 and all(dataclasses.is_dataclass(a) for a in inner):
+            return build(_dataclass_for(inner, value, source, key), value, source, key)
         return convert(inner[0] if len(inner) == 1 else Union[tuple(inner)], value, source, key)
     if origin is Literal:
         if value not in args:
@@ -68,6 +70,17 @@ def convert(hint, value, source: str, key: str):
             raise RecipeError(source, key, f"expected a mapping, got {_kind(value)}")
         return dict(value)
     return _scalar(hint, value, source, key)
+
+
+def _dataclass_for(choices: list, value, source: str, key: str):
+    """The first of several option classes whose keys include all of `value`'s (an IntScheme's
+    bits/group_size or a GGUFTypes' gguf: the keys say which grid is meant)."""
+    given = set(map(str, value)) if isinstance(value, dict) else set()
+    for cls in choices:
+        if given <= {f.name for f in dataclasses.fields(cls)}:
+            return cls
+    keys = "; ".join(f"{c.__name__}: {sorted(f.name for f in dataclasses.fields(c))}" for c in choices)
+    raise RecipeError(source, key, f"keys {sorted(given)} fit none of the choices here ({keys})")
 
 
 def _scalar(hint, value, source, key):

@@ -95,6 +95,12 @@ class GGUFWeight:
             return S, None
         return S, -(self.dmin.float().repeat_interleave(per_block, dim=1) * self.sub_min.float())
 
+    def row_slice(self, rows: slice) -> "GGUFWeight":
+        def cut(t):
+            return None if t is None else t[rows]
+        return GGUFWeight(self.scheme, self.levels[rows], self.d[rows], cut(self.dmin), cut(self.sub_scale),
+                          cut(self.sub_min))
+
     def dequantize(self) -> torch.Tensor:
         S, M = self.sub_scale_offset()
         return grid_values(self.levels, S, M, self.scheme.layout.sub)

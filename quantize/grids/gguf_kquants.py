@@ -121,9 +121,10 @@ def _qx_trial(x, w, iscale, nmax):
 
 def _sum(t: torch.Tensor) -> torch.Tensor:
     """Row sums of t (n, k) in float32, left to right: k small ops over all n rows at once."""
-    total = t[:, 0].clone()
-    for i in range(1, t.shape[1]):
-        total += t[:, i]
+    columns = t.t().contiguous()  # each column one contiguous run: the loop streams memory
+    total = columns[0].clone()
+    for column in columns[1:]:
+        total += column
     return total
 
 

@@ -9,20 +9,27 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from lowbit.quantize.grids.fp8 import ActivationMode, FP8Scheme
+from lowbit.quantize.grids.gguf import GGUFScheme
+from lowbit.quantize.grids.gguf_plan import GGUFTypes
 from lowbit.quantize.grids.inputs import InputQuant
 from lowbit.quantize.grids.integer import IntScheme
 
-WeightGrid = Union[IntScheme, FP8Scheme]
+# GGUFTypes is a step's plan (a llama.cpp file type); each linear then holds one GGUFScheme
+WeightGrid = Union[IntScheme, FP8Scheme, GGUFScheme, GGUFTypes]
 
 
 @dataclass(frozen=True)
 class LinearScheme:
     weights: WeightGrid
     # IntScheme weights: an InputQuant, or None (16-bit inputs); FP8Scheme weights: the FP8
-    # activation mode (dynamic, static or none)
+    # activation mode (dynamic, static or none); GGUFScheme weights: None (llama.cpp decides)
     inputs: Union[InputQuant, ActivationMode, None] = None
 
     def __post_init__(self):
+        if isinstance(self.weights, (GGUFScheme, GGUFTypes)):
+            if self.inputs is not None:
+                raise ValueError(f"GGUF weights cannot take inputs {self.inputs!r}")
+            return
         fp8 = isinstance(self.weights, FP8Scheme)
         if fp8 != isinstance(self.inputs, str) or (not fp8 and not isinstance(self.inputs, (InputQuant, type(None)))):
             raise ValueError(f"{type(self.weights).__name__} weights cannot take inputs {self.inputs!r}")
@@ -30,6 +37,10 @@ class LinearScheme:
     def describe(self) -> str:
         if isinstance(self.weights, IntScheme):
             return describe_int(self.weights, self.inputs)
+        if isinstance(self.weights, GGUFScheme):
+            return f"gguf {self.weights.type}"
+        if isinstance(self.weights, GGUFTypes):
+            return self.weights.describe()
         return describe_fp8(self.weights, self.inputs)
 
 

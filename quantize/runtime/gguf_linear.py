@@ -18,6 +18,7 @@ from torch import nn
 
 from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight
 from lowbit.quantize.grids.gguf_packing import pack, unpack
+from lowbit.quantize.grids.linear import LinearScheme
 
 
 class GGUFLinear(nn.Module):
@@ -44,6 +45,9 @@ class GGUFLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.gguf_weight().dequantize().to(self.weight.device)
+
+    def linear_scheme(self) -> LinearScheme:
+        return LinearScheme(self.scheme)
 
     def _apply(self, fn, recurse=True):
         self._dense = None  # moved or cast: decode again from the bytes

@@ -10,15 +10,17 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Union
 
 import torch
 
 from lowbit.calibrate.arch import linear_weight
+from lowbit.quantize.grids.gguf_plan import GGUFTypes
 from lowbit.quantize.grids.integer import IntScheme, check_group_size
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.grids.quantized_weight import QuantizedWeight, quantize_rtn
 from lowbit.quantize.runtime.qlinear import QuantLinear
+from lowbit.quantize.steps import gguf_rounding
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.gptq_solver import gptq_solve
 from lowbit.quantize.steps.layerwise import damping_retries, linear_stats, walk_solving
@@ -28,7 +30,8 @@ from lowbit.quantize.targets import replace_module, select_targets
 
 @dataclass(frozen=True)
 class GPTQConfig:
-    scheme: IntScheme = IntScheme(4, True, "group", 128)  # channel or group; not tensor
+    # channel or group, not tensor; or a llama.cpp file type (GGUFTypes): GPTQ onto its block grids
+    scheme: Union[IntScheme, GGUFTypes] = IntScheme(4, True, "group", 128)
     batch_columns: int = 128  # columns per lazy batch update; rounded to a multiple of group_size
     dampening_frac: float = 0.01  # added to H's diagonal, as a fraction of its mean diagonal
     # none: columns in order; static: columns by decreasing Hessian diagonal, groups fixed
@@ -47,7 +50,7 @@ class GPTQConfig:
     forward_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
 
     def __post_init__(self):
-        if self.scheme.strategy == "tensor":
+        if isinstance(self.scheme, IntScheme) and self.scheme.strategy == "tensor":
             raise ValueError("gptq solves per-channel or per-group scales; scheme strategy tensor is not "
                              "supported (use channel or group)")
         if self.batch_columns < 1 or self.micro_batch < 1:
@@ -62,6 +65,8 @@ class GPTQConfig:
 
 def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
     """Quantize every targeted linear inside the decoder layers with GPTQ, layer by layer."""
+    if isinstance(cfg.scheme, GGUFTypes):
+        return _apply_gguf(ctx, cfg)
     targets = select_targets(ctx.model, ctx.arch, ctx.ignore)
     for name, module in targets.linears.items():
         check_group_size(cfg.scheme, linear_weight(module).shape[1], name)
@@ -81,6 +86,20 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
                                                                    module.bias))
     return {"quantized": list(targets.linears), "ignored": targets.ignored,
             "forward_dtype": forward_dtype, "round_to_nearest": list(outside),
+            "damping_retries": damping_retries(layers), "layers": layers}
+
+
+def _apply_gguf(ctx: StepContext, cfg: GPTQConfig) -> dict:
+    targets, schemes = gguf_rounding.planned_targets(ctx, cfg.scheme)
+    outside = {n: m for n, m in targets.linears.items() if not n.startswith(ctx.arch.layers + ".")}
+
+    def solve(prefix, layer, members, H, stats) -> dict:
+        return gguf_rounding.solve_layer_group(layer, prefix, members, H, cfg, schemes, stats)
+
+    layers, forward_dtype = walk_solving(ctx, cfg, targets, solve)
+    return {"quantized": list(targets.linears), "ignored": targets.ignored, "forward_dtype": forward_dtype,
+            "round_to_nearest": gguf_rounding.round_outside(ctx, outside, schemes),
+            "types": {n: s.type for n, s in schemes.items()},
             "damping_retries": damping_retries(layers), "layers": layers}
 
 

@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 
 from lowbit.calibrate.arch import linear_weight
 from lowbit.calibrate.progress import Progress
+from lowbit.quantize.grids.gguf_plan import GGUFTypes
 from lowbit.quantize.grids.integer import IntScheme, check_group_size
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.grids.quantized_weight import QuantizedWeight, quantize_rtn
 from lowbit.quantize.runtime.qlinear import QuantLinear
+from lowbit.quantize.steps import gguf_rounding
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.spec import StepSpec
 from lowbit.quantize.targets import replace_module, select_targets
@@ -19,10 +21,14 @@ from lowbit.quantize.targets import replace_module, select_targets
 
 @dataclass(frozen=True)
 class RTNConfig:
-    scheme: IntScheme = IntScheme()  # RTN needs nothing beyond the grid itself
+    # RTN needs nothing beyond the grid itself; a llama.cpp file type (GGUFTypes) rounds as
+    # llama.cpp's reference quantizer does
+    scheme: Union[IntScheme, GGUFTypes] = IntScheme()
 
 
 def apply(ctx: StepContext, cfg: RTNConfig) -> dict:
+    if isinstance(cfg.scheme, GGUFTypes):
+        return gguf_rounding.round_each(ctx, cfg.scheme)
     return quantize_each(ctx, cfg.scheme, lambda w: quantize_rtn(w, cfg.scheme), "rtn")
 
 

@@ -1,0 +1,89 @@
+"""Which GGML type each tensor of a GGUF file gets: llama.cpp's file types as a recipe grid.
+
+A recipe names a llama.cpp file type (`scheme: {gguf: q4_k_m}`), and this module decides the
+block type of every tensor the way llama.cpp's quantizer (llama-quant.cpp) does for it, so that
+lowbit's calibrated file and llama.cpp's own round-to-nearest file compare tensor for tensor:
+
+- q4_k_m: Q4_K everywhere, Q6_K for attn_v and ffn_down in the layers where llama.cpp spends
+  more bits (the first and last eighth of the layers and every third one between);
+- every quantized file type puts the output matrix (and a tied token embedding, which doubles as
+  it) in Q6_K, or Q8_0 for q8_0 files and where rows do not split into 256;
+- a row length the type's block does not divide falls back (Q4_K -> Q5_0, Q6_K -> Q8_0), and a
+  row length 32 does not divide stays 16-bit (None here).
+`pure: true` skips the mixture rules (llama-quantize --pure): the base type everywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme
+
+BASE_TYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
+             "q4_k_s": "q4_k", "q4_k_m": "q4_k", "q6_k": "q6_k"}
+FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0"}  # llama.cpp's, for rows that 256 does not divide
+MORE_BITS_ROLES = ("attn_v", "ffn_down")  # the tensors q4_k_m gives Q6_K in some layers
+# a linear's last name part -> llama.cpp's tensor category (what its mixture rules key on)
+ROLES = {"v_proj": "attn_v", "down_proj": "ffn_down", "w2": "ffn_down", "fc2": "ffn_down",
+         "c_attn": "attn_qkv", "qkv_proj": "attn_qkv", "query_key_value": "attn_qkv"}
+
+
+@dataclass(frozen=True)
+class GGUFTypes:
+    """The grid of a recipe that writes a GGUF file: a llama.cpp file type."""
+
+    gguf: str = "q4_k_m"
+    pure: bool = False  # the base type on every tensor (no Q6_K mixture, no output rule)
+
+    def __post_init__(self):
+        if self.gguf not in BASE_TYPE:
+            raise ValueError(f"gguf file type must be one of {sorted(BASE_TYPE)}, got {self.gguf!r}")
+
+    @property
+    def base(self) -> str:
+        return BASE_TYPE[self.gguf]
+
+    def describe(self) -> str:
+        return f"gguf {self.gguf}{' pure' if self.pure else ''}"
+
+
+def fallback_type(kind: str, cols: int) -> Optional[str]:
+    """The type a row of `cols` weights can take: `kind`, llama.cpp's fallback, or None (16-bit)."""
+    if cols % LAYOUTS[kind].block == 0:
+        return kind
+    kind = FALLBACK.get(kind, kind)
+    return kind if cols % LAYOUTS[kind].block == 0 else None
+
+
+def use_more_bits(index: int, count: int) -> bool:
+    """llama.cpp's layers that get more bits: first and last eighth, and every third between."""
+    return index < count // 8 or index >= 7 * count // 8 or (index - count // 8) % 3 == 2
+
+
+def role_of(name: str) -> str:
+    return ROLES.get(name.rpartition(".")[2], "other")
+
+
+def linear_type(types: GGUFTypes, name: str, layer: int, layers: int, cols: int) -> Optional[str]:
+    """The type of the decoder-layer linear `name` (in layer `layer` of `layers`, rows of `cols`)."""
+    kind = types.base
+    if not types.pure and types.gguf == "q4_k_m" and role_of(name) in MORE_BITS_ROLES and use_more_bits(layer, layers):
+        kind = "q6_k"
+    return fallback_type(kind, cols)
+
+
+def output_type(types: GGUFTypes, cols: int) -> Optional[str]:
+    """The output matrix's type (a tied token embedding's too): Q6_K, or Q8_0 (q8_0 files, or rows
+    that 256 does not divide), unless pure."""
+    if types.pure:
+        return fallback_type(types.base, cols)
+    return "q8_0" if types.base == "q8_0" or cols % LAYOUTS["q6_k"].block else "q6_k"
+
+
+def embedding_type(types: GGUFTypes, cols: int, tied: bool) -> Optional[str]:
+    """The token embedding's type: the output's when tied (it is the output), else the base type."""
+    return output_type(types, cols) if tied else fallback_type(types.base, cols)
+
+
+def scheme(kind: Optional[str]) -> Optional[GGUFScheme]:
+    return None if kind is None else GGUFScheme(kind)
