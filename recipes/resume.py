@@ -31,6 +31,8 @@ from lowbit.export.formats import compressed_tensors as ct
 from lowbit.export.checkpoint import is_lowbit_export, publish
 from lowbit.export.files import save_tensors
 from lowbit.export.manifest import write_text_atomic
+from lowbit.quantize.grids.gguf import GGUFScheme
+from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 
 STATE = "state.json"
 PROGRESS = "progress.json"
@@ -165,7 +167,8 @@ class StepLayers:
             return
         self.before_first_save()
         self.folder.mkdir(parents=True, exist_ok=True)
-        _save_tensors(tensors, self.folder / f"layer{index}.safetensors", {"qconfig": json.dumps(qconfig)})
+        _save_tensors(tensors, self.folder / f"layer{index}.safetensors",
+                      {"qconfig": json.dumps(qconfig), "gguf": json.dumps(gguf_types(layer))})
         if hidden is not None:
             _save_tensors({f"hidden.{k}": h for k, h in enumerate(hidden)}, self.folder / f"hidden{index}.safetensors")
         self.results = self.results[:index] + [result]
@@ -200,14 +203,24 @@ def layer_tensors(prefix: str, layer: nn.Module) -> tuple[dict[str, torch.Tensor
     return tensors, ct.quantization_config(quantized, []) if quantized else {}
 
 
+def gguf_types(layer: nn.Module) -> dict[str, str]:
+    return {n: m.scheme.type for n, m in layer.named_modules() if isinstance(m, GGUFLinear)}
+
+
 def load_layer(prefix: str, layer: nn.Module, path: Path) -> None:
     """Load a layer saved by layer_tensors back into `layer` (quantized modules rebuilt)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: layer checkpoint missing; delete the resume folder")
     with safe_open(str(path), "pt") as f:  # one read: metadata and tensors
         qconfig = json.loads(f.metadata().get("qconfig") or "{}")
+        gguf = json.loads(f.metadata().get("gguf") or "{}")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     device = next((p.device for p in layer.parameters()), torch.device("cpu"))
+    for name, kind in gguf.items():  # GGUF modules keep their block bytes as plain buffers
+        weight = tensors[f"{prefix}.{name}.weight"]
+        scheme = GGUFScheme(kind)
+        cols = weight.shape[1] // scheme.layout.type_size * scheme.block_size
+        layer.set_submodule(name, GGUFLinear(cols, weight.shape[0], scheme, f"{prefix}.{name}.bias" in tensors).to(device))
     prefixes = set(ct.quantized_prefixes(tensors))
     for full in prefixes:
         module = ct.build_module(full, tensors, qconfig, str(path))
