@@ -14,7 +14,7 @@ from lowbit.evaluate.config import EvaluateConfig
 from lowbit.export.checkpoint import check_plain_name
 from lowbit.export.config import ExportConfig
 
-from lowbit.quantize.grids.linear import LinearScheme, describe_int
+from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.steps.registry import STEPS
 from .validate import RecipeError, build, to_plain
 
@@ -156,7 +156,7 @@ def check_search_grids(steps: tuple[Step, ...], source: str) -> None:
         written = STEPS[writer.name].writes(writer.config).weights
         if written != searched:
             raise RecipeError(source, f"steps[{i}].{step.name}.scheme",
-                              f"searches scales for {describe_int(searched)}, but steps[{j}].{writer.name} "
+                              f"searches scales for {LinearScheme(searched).describe()}, but steps[{j}].{writer.name} "
                               f"quantizes to {LinearScheme(written).describe()}; set one scheme at the "
                               "recipe's top level for both")
 

@@ -111,3 +111,35 @@ def test_recipe_grid_is_chosen_by_its_keys():
         parse_recipe({"scheme": {"gguf": "q4_0", "bits": 4}, "steps": ["rtn"]}, "test")
     with pytest.raises(ValueError, match="gguf file type must be one of"):
         parse_recipe({"scheme": {"gguf": "q2_k"}, "steps": ["rtn"]}, "test")
+
+
+def test_awq_clip_on_a_gguf_grid_cuts_an_outlier_that_costs_output_error():
+    from lowbit.quantize.steps.awq_gguf import GGUFSearchGrid, search_clip_gguf
+
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(8, 64, generator=gen) * 0.02
+    w[:, 3] = 0.5  # one outlier per row stretches its Q4_0 block's scale
+    x = torch.randn(4096, 64, generator=gen)
+    x[:, 3] *= 0.01  # ... on an input that barely moves the output
+    gram = torch.einsum("ngk,ngl->gkl", x.reshape(-1, 2, 32), x.reshape(-1, 2, 32)) / x.shape[0]
+    quantize = GGUFSearchGrid({"l": GGUFScheme("q4_0")}).quantizer("l")
+
+    def output_error(v):
+        return float((x @ (quantize(v) - w).t()).square().mean())
+
+    clipped = search_clip_gguf(w, gram, quantize, max_shrink=0.5, clip_grid=20)
+    assert output_error(clipped) < 0.5 * output_error(w)
+
+
+def test_awq_then_gptq_on_gguf_grids_runs_and_passes_the_audit():
+    from lowbit.quantize.steps import awq
+
+    model = _model(layers=2)
+    ctx = _ctx(model, samples=8, seq=64)
+    record = awq.apply(ctx, awq.AWQConfig(GGUFTypes("q4_k_m"), grid=4, clip_grid=4))
+    assert len(record["clipped"]) > 0
+    gptq.apply(ctx, gptq.GPTQConfig(GGUFTypes("q4_k_m")))
+    recipe = parse_recipe({"scheme": {"gguf": "q4_k_m"}, "steps": ["awq", "gptq"]}, "test")
+    assert audit_run(model, recipe, arch_for(model), []).passed
+    with pytest.raises(ValueError, match="searches scales for gguf q4_0, but steps\\[1\\].gptq quantizes to gguf q4_k_m"):
+        parse_recipe({"steps": [{"awq": {"scheme": {"gguf": "q4_0"}}}, {"gptq": {"scheme": {"gguf": "q4_k_m"}}}]}, "t")

@@ -20,7 +20,7 @@ from typing import Optional
 from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme
 
 BASE_TYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
-             "q4_k_s": "q4_k", "q4_k_m": "q4_k", "q6_k": "q6_k"}
+             "q4_k_m": "q4_k", "q6_k": "q6_k"}  # no Q5_K here, so no q4_k_s or q5_k_m
 FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0"}  # llama.cpp's, for rows that 256 does not divide
 MORE_BITS_ROLES = ("attn_v", "ffn_down")  # the tensors q4_k_m gives Q6_K in some layers
 # a linear's last name part -> llama.cpp's tensor category (what its mixture rules key on)

@@ -12,13 +12,16 @@ the group's output error. AWQ only folds scales and clips: a later step (rtn, gp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from lowbit.calibrate.arch import is_linear, linear_weight
 from lowbit.calibrate.walker import LayerInputs, first_output, layer_forward, record_linear_inputs, walk
+from lowbit.quantize.grids.gguf_plan import GGUFTypes
 from lowbit.quantize.grids.integer import IntScheme, check_group_size, fake_quantize, grouped, scale_zero_from_range
+from lowbit.quantize.steps.awq_gguf import GGUFSearchGrid, search_clip_gguf
+from lowbit.quantize.steps.gguf_rounding import planned_targets
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.fold import fold_scale, follower_index
 from lowbit.quantize.steps.smoothing import pair_index, to_prev, token_stride, weight_quantizer
@@ -29,8 +32,9 @@ from lowbit.quantize.targets import is_ignored
 @dataclass(frozen=True)
 class AWQConfig:
     # the weight grid the searches assume: the weight step after it must write this grid (AWQ
-    # usually quantizes asymmetrically, with a zero point: recipes say so)
-    scheme: IntScheme = IntScheme(4, True, "group", 128)
+    # usually quantizes asymmetrically, with a zero point: recipes say so); or a llama.cpp file
+    # type (GGUFTypes): each linear searched with the GGML type it will be written in
+    scheme: Union[IntScheme, GGUFTypes] = IntScheme(4, True, "group", 128)
     grid: int = 20  # scale exponents r = 0, 1/grid, ..., (grid-1)/grid
     duo_scaling: bool = True  # divide by weight magnitude^(1-r) too, not only activations^r
     clip: bool = True
@@ -46,7 +50,7 @@ class AWQConfig:
     clip_tokens: Optional[int] = None
 
     def __post_init__(self):
-        if self.scheme.strategy == "tensor":
+        if isinstance(self.scheme, IntScheme) and self.scheme.strategy == "tensor":
             raise ValueError("awq searches per-channel or per-group scales; scheme strategy tensor "
                              "is not supported (use channel or group)")
         if self.grid < 1 or self.clip_grid < 1 or not 0.0 <= self.max_shrink < 1.0:
@@ -59,9 +63,13 @@ def weight_magnitude(weights: list[torch.Tensor], scheme: IntScheme) -> torch.Te
     """(in,) mean over all rows of |w| relative to its group's absmax."""
     rel = []
     for w in weights:
-        g = grouped(w.abs(), scheme)  # (out, G, group)
+        g = _grouped(w.abs(), scheme)  # (out, G, group)
         rel.append((g / g.amax(dim=-1, keepdim=True).clamp(min=1e-8)).reshape(w.shape))
     return torch.cat(rel).mean(dim=0)
+
+
+def _grouped(w: torch.Tensor, scheme) -> torch.Tensor:
+    return w.reshape(w.shape[0], -1, scheme.group_size) if isinstance(scheme, GGUFSearchGrid) else grouped(w, scheme)
 
 
 def search_scale(x_mean, w_mean, error, cfg: AWQConfig):
@@ -173,8 +181,10 @@ class BlockError:
     The blocks' calls (args, kwargs, float output) are recorded once, in one layer forward.
     """
 
-    def __init__(self, layer, pair, inputs: LayerInputs, device, scheme: IntScheme):
-        self.layer, self.pair, self.quant = layer, pair, weight_quantizer(scheme)
+    def __init__(self, layer, pair, inputs: LayerInputs, device, scheme, prefix: str = ""):
+        self.layer, self.pair = layer, pair
+        self.quant = {n: scheme.quantizer(f"{prefix}.{n}") if isinstance(scheme, GGUFSearchGrid)
+                      else weight_quantizer(scheme) for n in pair.linears}
         self.targets = block_targets(layer, pair)
         self.calls = {n: [] for n in self.targets}
         hooks = [layer.get_submodule(n).register_forward_hook(self._recorder(n), with_kwargs=True)
@@ -207,7 +217,7 @@ class BlockError:
     def __call__(self, scale: torch.Tensor) -> float:
         for name, w in self.original.items():
             s = scale[self.index[name]].to(w.device, w.dtype).unsqueeze(0)
-            linear_weight(self.layer.get_submodule(name)).copy_(self.quant(w * s) / s)
+            linear_weight(self.layer.get_submodule(name)).copy_(self.quant[name](w * s) / s)
         try:
             total = 0.0
             for name in self.targets:
@@ -224,19 +234,21 @@ class BlockError:
             linear_weight(self.layer.get_submodule(name)).copy_(w)
 
 
-def scale_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig, ignore) -> dict:
+def scale_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig, ignore, grid=None) -> dict:
     """Search and fold one scale per smoothing pair; inputs: the sequences to search on.
 
     Every pair is searched on the layer's float weights (recorded before any folding), as the
     folds commute: a norm's scale multiplies v_proj's columns, o_proj's scale its rows.
+    grid: what the searches quantize with (cfg.scheme, or a GGUFSearchGrid of per-linear types).
     """
+    grid = cfg.scheme if grid is None else grid
     pairs = [p for p in arch.smooth if not any(is_ignored(f"{prefix}.{n}", ignore) for n in p.linears)]
-    errors = [BlockError(layer, p, inputs, device, cfg.scheme) for p in pairs]
+    errors = [BlockError(layer, p, inputs, device, grid, prefix) for p in pairs]
     ratios = {}
     for pair, error in zip(pairs, errors):
         channels, index = pair_index(layer, pair)
         x_mean = to_prev(error.block_input().abs().mean(dim=0).cpu(), index, channels)
-        w_mean = to_prev(weight_magnitude([w.float().cpu() for w in error.original.values()], cfg.scheme),
+        w_mean = to_prev(weight_magnitude([w.float().cpu() for w in error.original.values()], grid),
                          index, channels)
         scale, ratios[pair.prev] = search_scale(x_mean, w_mean, error, cfg)
         error.calls.clear()  # free the recorded activations
@@ -244,11 +256,12 @@ def scale_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig
     return ratios
 
 
-def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig, ignore) -> list[str]:
+def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig, ignore, grid=None) -> list[str]:
     """Clip each linear's groups, judged on (a stride of) all calibration tokens in `inputs`."""
+    grid = cfg.scheme if grid is None else grid
     names = [n for n in arch.linears if n not in cfg.clip_skip and not is_ignored(f"{prefix}.{n}", ignore)]
     stride = 1 if cfg.clip_tokens is None else token_stride(inputs.hidden, cfg.clip_tokens)
-    grams = {n: GroupGram(cfg.scheme) for n in names}
+    grams = {n: GroupGram(grid) for n in names}
     last = [None, None]  # the input tensor seen last and the linear whose Gram took it
 
     def update(name, x2d):  # gate/up are handed one tensor in turn: one Gram for both
@@ -261,7 +274,11 @@ def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig,
     record_linear_inputs(layer, names, inputs, device, update)
     for name in names:
         w = linear_weight(layer.get_submodule(name))  # a view: copying into it updates the module
-        clipped = search_clip(w.float().cpu(), grams[name].result(), cfg.scheme, cfg)
+        if isinstance(grid, GGUFSearchGrid):
+            clipped = search_clip_gguf(w.float().cpu(), grams[name].result(), grid.quantizer(f"{prefix}.{name}"),
+                                       cfg.max_shrink, cfg.clip_grid)
+        else:
+            clipped = search_clip(w.float().cpu(), grams[name].result(), grid, cfg)
         w.copy_(clipped.to(w.device, w.dtype))
     return names
 
@@ -270,14 +287,12 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
     if not ctx.arch.smooth:
         raise ValueError("awq: the architecture table has no smoothing pairs for this model "
                          "(an unknown architecture?); add its row to calibrate/arch.py")
-    layer0 = ctx.model.get_submodule(f"{ctx.arch.layers}.0")
-    for name in ctx.arch.linears:
-        check_group_size(cfg.scheme, linear_weight(layer0.get_submodule(name)).shape[1], f"{ctx.arch.layers}.0.{name}")
+    grid, ignore = _search_grid(ctx, cfg)
 
     def on_layer(i, prefix, layer, inputs):
         sample = leading_sequences(inputs, cfg.max_tokens)
-        ratios = scale_layer(layer, ctx.arch, prefix, sample, ctx.device, cfg, ctx.ignore)
-        clipped = clip_layer(layer, ctx.arch, prefix, inputs, ctx.device, cfg, ctx.ignore) if cfg.clip else []
+        ratios = scale_layer(layer, ctx.arch, prefix, sample, ctx.device, cfg, ignore, grid)
+        clipped = clip_layer(layer, ctx.arch, prefix, inputs, ctx.device, cfg, ignore, grid) if cfg.clip else []
         return {"ratios": ratios, "clipped": clipped}
 
     per_layer = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="awq",
@@ -285,6 +300,18 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
     return {"scaled_pairs": [p.prev for p in ctx.arch.smooth],
             "scale_ratio": [r["ratios"] for r in per_layer],
             "clipped": sorted({n for r in per_layer for n in r["clipped"]})}
+
+
+def _search_grid(ctx: StepContext, cfg: AWQConfig):
+    """The grid the searches quantize with, and the ignore patterns (linears no GGML block fits,
+    which the weight step will leave 16-bit, are left out of the searches too)."""
+    if isinstance(cfg.scheme, GGUFTypes):
+        targets, schemes = planned_targets(ctx, cfg.scheme)
+        return GGUFSearchGrid(schemes), ctx.ignore + tuple(n for n in targets.ignored if n not in ctx.ignore)
+    layer0 = ctx.model.get_submodule(f"{ctx.arch.layers}.0")
+    for name in ctx.arch.linears:
+        check_group_size(cfg.scheme, linear_weight(layer0.get_submodule(name)).shape[1], f"{ctx.arch.layers}.0.{name}")
+    return cfg.scheme, ctx.ignore
 
 
 SPEC = StepSpec("awq", AWQConfig, apply,
