@@ -16,10 +16,14 @@ import torch
 GROUP_MAX_EPS = 1e-15  # ggml-quants.c: a group below this magnitude is all zero
 
 
-def q4_k_reference(x: torch.Tensor) -> dict:
+def q4_k_reference(x: torch.Tensor, weights: torch.Tensor | None = None) -> dict:
+    """weights (as x): importance of each weight's error; None: llama.cpp's own (no imatrix)."""
     subs = x.reshape(-1, 32)
-    av_x = torch.sqrt(_sum(subs * subs)[:, None] / 32)
-    scales, mins, search_levels = _qkx2(subs, av_x + subs.abs(), nmax=15, rmin=-1.0, rdelta=0.1, nstep=20)
+    if weights is None:
+        av_x = torch.sqrt(_sum(subs * subs)[:, None] / 32)
+        scales, mins, search_levels = _qkx2(subs, av_x + subs.abs(), nmax=15, rmin=-1.0, rdelta=0.1, nstep=20)
+    else:  # the finer trial ranges llama.cpp searches when it has an importance matrix
+        scales, mins, search_levels = _qkx2(subs, weights.reshape(-1, 32), nmax=15, rmin=-0.9, rdelta=0.05, nstep=36)
     scales, mins = scales.reshape(-1, 8), mins.reshape(-1, 8)
     max_scale = scales.amax(dim=1, keepdim=True).clamp(min=0)  # scales are >= 0 as the min is deducted
     max_min = mins.amax(dim=1, keepdim=True).clamp(min=0)
@@ -34,9 +38,9 @@ def q4_k_reference(x: torch.Tensor) -> dict:
             "sub_scale": ls.to(torch.int16), "sub_min": lm.to(torch.int16)}
 
 
-def q6_k_reference(x: torch.Tensor) -> dict:
+def q6_k_reference(x: torch.Tensor, weights: torch.Tensor | None = None) -> dict:
     subs = x.reshape(-1, 16)
-    scales, search_levels = _qx(subs, nmax=32)
+    scales, search_levels = _qx(subs, nmax=32, w=None if weights is None else weights.reshape(-1, 16))
     scales = scales.reshape(-1, 16)
     max_scale = scales.gather(1, scales.abs().argmax(dim=1, keepdim=True))  # signed, first of equals
     zero = max_scale.abs() < GROUP_MAX_EPS  # llama.cpp writes an all-zero block
@@ -94,13 +98,13 @@ def _weighted_error(x, w, levels, scale, lo):
     return _sum(w * (diff * diff))
 
 
-def _qx(x: torch.Tensor, nmax: int):
-    """make_qx_quants(rmse_type=1) on rows of x (n, 16): the signed scale and levels -nmax..nmax-1
-    that maximise the x²-weighted fit over 19 trial scales around -nmax / max."""
+def _qx(x: torch.Tensor, nmax: int, w: torch.Tensor | None = None):
+    """make_qx_quants(rmse_type=1) on rows of x (n, k): the signed scale and levels -nmax..nmax-1
+    that maximise the w-weighted fit (w = x² unless given) over 19 trial scales around -nmax / max."""
     signed_max = x.gather(1, x.abs().argmax(dim=1, keepdim=True))[:, 0]
     zero = signed_max.abs() < GROUP_MAX_EPS
     signed_max = torch.where(zero, 1.0, signed_max)
-    w = x * x
+    w = x * x if w is None else w
     levels, sum_lx, sum_l2 = _qx_trial(x, w, -nmax / signed_max, nmax)
     scale = torch.where(sum_l2 != 0, sum_lx / torch.where(sum_l2 != 0, sum_l2, 1.0), 0.0)
     best = scale * sum_lx

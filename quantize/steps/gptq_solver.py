@@ -125,7 +125,7 @@ def _gptq_solve_fp8(W, H, cfg: GPTQConfig, strategy: WeightStrategy, fmt: FP8For
 def gptq_solve_gguf(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig,
                     scheme: GGUFScheme) -> tuple[GGUFWeight, torch.Tensor, float, int]:
     """GPTQ of W onto a GGML block grid whose scales (and mins) llama.cpp's reference search fixes
-    from W first (cfg.scheme is not used). Returns the GGUFWeight (it packs as it is: the sweep
+    from W first (cfg.scheme is not used; cfg.scale_search mse weights that search by H's diagonal). Returns the GGUFWeight (it packs as it is: the sweep
     rounds onto exactly the grid the file stores), row losses, the damping used and its retries."""
     return _single_threaded(_gptq_solve_gguf, W, H, cfg, scheme)
 
@@ -133,7 +133,9 @@ def gptq_solve_gguf(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig,
 def _gptq_solve_gguf(W, H, cfg: GPTQConfig, scheme: GGUFScheme):
     if cfg.actorder == "group":
         raise ValueError("GGUF GPTQ supports actorder none or static (its block scales are fixed before the sweep)")
-    fixed = quantize_gguf(W, scheme)
+    # mse: block scales searched for the error weighted by H's diagonal (llama.cpp's imatrix);
+    # minmax: llama.cpp's own reference scales
+    fixed = quantize_gguf(W, scheme, importance=H.diagonal() if cfg.scale_search == "mse" else None)
     S, M = fixed.sub_scale_offset()
     sub = scheme.layout.sub
     S, M = S.repeat_interleave(sub, dim=1), None if M is None else M.repeat_interleave(sub, dim=1)

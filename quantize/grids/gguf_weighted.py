@@ -1,0 +1,49 @@
+"""GGUF block scales searched with an importance per input column (what llama.cpp calls an
+importance matrix: the mean squared activation of each input, here the GPTQ Hessian's diagonal).
+
+Each weight's error counts imp[column] · sqrt(σ² + w²) (σ² the row's mean square), llama.cpp's
+imatrix weighting; the searches are llama.cpp's: make_qx_quants' 19 trial scales for the
+symmetric formats (Q8_0, Q4_0, Q5_0; Q6_K's sub-blocks), make_qkx2's trial ranges for the affine
+ones (Q4_1; Q4_K's sub-blocks, with the finer ranges llama.cpp uses given an imatrix). Levels are
+then the nearest on the stored fp16 grid. Not byte-identical to llama.cpp's imatrix path (σ² is
+per row for every type here); what matters is that the file holds exactly the grid chosen.
+"""
+from __future__ import annotations
+
+import torch
+
+from lowbit.quantize.grids import gguf_kquants
+from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme, GGUFWeight, round_to_grid
+
+SYMMETRIC_NMAX = {"q8_0": 128, "q4_0": 8, "q5_0": 16}
+
+
+def error_weights(W: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) weight of each element's squared error; importance (cols,) >= 0."""
+    W = W.float()
+    sigma2 = (W * W).mean(dim=1, keepdim=True)
+    imp = importance.float().clamp(min=0)
+    imp = imp + 1e-6 * imp.mean().clamp(min=1e-30)  # dead inputs keep a tiny weight: no empty fit
+    return imp[None, :] * torch.sqrt(sigma2 + W * W)
+
+
+def quantize_weighted(W: torch.Tensor, scheme: GGUFScheme, importance: torch.Tensor) -> GGUFWeight:
+    rows, kind, block = W.shape[0], scheme.type, scheme.block_size
+    x = W.detach().float().reshape(-1, block)
+    w = error_weights(W.detach(), importance).reshape(-1, block)
+    if kind in ("q4_k", "q6_k"):
+        ref = gguf_kquants.q4_k_reference if kind == "q4_k" else gguf_kquants.q6_k_reference
+        fields = ref(x, w)
+        levels = fields.pop("levels")
+        return GGUFWeight(scheme, levels.reshape(rows, -1).to(torch.int16), **{k: v.reshape(rows, -1) for k, v in fields.items()})
+    if kind in SYMMETRIC_NMAX:
+        scale, _ = gguf_kquants._qx(x, SYMMETRIC_NMAX[kind], w)
+        fields = {"d": scale.half().reshape(rows, -1)}
+    else:  # q4_1: value = d·level + m, m <= 0 the block's min
+        scale, min_sub, _ = gguf_kquants._qkx2(x, w, nmax=15, rmin=-1.0, rdelta=0.1, nstep=20)
+        fields = {"d": scale.half().reshape(rows, -1), "dmin": (-min_sub).half().reshape(rows, -1)}
+    placeholder = GGUFWeight(scheme, torch.zeros(W.shape, dtype=torch.int16), **fields)
+    S, M = placeholder.sub_scale_offset()
+    levels = round_to_grid(W.float(), S, M, scheme)
+    assert LAYOUTS[kind].sub == block  # one scale (and min) per block for the legacy formats
+    return GGUFWeight(scheme, levels, **fields)
