@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lowbit.export.files import out_of_space_names
 from lowbit.quantize.grids.gguf import GGUFScheme, fallback_type, quantize_gguf
 from lowbit.quantize.grids.gguf_packing import pack
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
@@ -36,22 +37,25 @@ def write_gguf(path: Path, model: nn.Module, tokenizer, cfg, title: str) -> None
     import gguf
 
     where = f"GGUF export of {title}"
+    if tokenizer is None:
+        raise ValueError(f"{where}: a .gguf file carries its tokenizer; none was given")
     arch = arch_of(model.config, where)
     tensors = list(model_tensors(model, cfg, arch, where))
     writer = gguf.GGUFWriter(str(path), arch.name)
-    try:
-        writer.add_name(title)
-        add_hyperparameters(writer, model.config, arch)
-        writer.add_file_type(file_type(tensors, cfg.dtype))
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        add_tokenizer(writer, tokenizer, model.config.vocab_size, where)
-        for t in tensors:
-            writer.add_tensor(t.name, t.data, raw_dtype=t.ggml_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    finally:
-        writer.close()
+    with out_of_space_names(path):
+        try:
+            writer.add_name(title)
+            add_hyperparameters(writer, model.config, arch)
+            writer.add_file_type(file_type(tensors, cfg.dtype))
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            add_tokenizer(writer, tokenizer, model.config.vocab_size, where)
+            for t in tensors:
+                writer.add_tensor(t.name, t.data, raw_dtype=t.ggml_type)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
 
 
 def model_tensors(model: nn.Module, cfg, arch, where: str) -> Iterator[GGUFTensor]:
