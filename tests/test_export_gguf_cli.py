@@ -19,6 +19,8 @@ from lowbit.export.config import ExportConfig
 from lowbit.export.files import OutOfSpaceError
 from lowbit.export.formats.gguf.reader import gguf_tensor_bytes
 from lowbit.quantize.grids.gguf import fallback_type
+from lowbit.quantize.grids.kv import KVCacheConfig
+from lowbit.quantize.runtime.kv_cache import attach
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 from lowbit.recipes.cli import main
 
@@ -98,6 +100,10 @@ def test_grids_gguf_cannot_hold_are_refused_naming_the_layer(tmp_path, tokenizer
         checkpoint.save(make_tiny_model("opt"), tokenizer, tmp_path / "b", ExportConfig(format="gguf"))
     with pytest.raises(ValueError, match="carries its tokenizer; none was given"):
         checkpoint.save(gguf_tiny("llama"), None, tmp_path / "c", ExportConfig(format="gguf"))
+    with_cache = gguf_tiny("llama")
+    attach(with_cache, KVCacheConfig(format="int8", strategy="token"))  # a dynamic quantized KV cache
+    with pytest.raises(ValueError, match="cannot hold lowbit's quantized KV cache .*--cache-type-k"):
+        checkpoint.save(with_cache, tokenizer, tmp_path / "d", ExportConfig(format="gguf"))
     assert not any(tmp_path.iterdir())
 
 
