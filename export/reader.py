@@ -39,7 +39,8 @@ def load(folder: str | Path, dtype: torch.dtype = torch.float32, trust_remote_co
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     _load_float(model, tensors, folder)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    tokenizer = fmt.load_tokenizer(folder, trust_remote_code) if fmt is not None \
+        else AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     return model, tokenizer
 
 

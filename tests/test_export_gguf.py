@@ -30,6 +30,7 @@ with torch.no_grad():
     logits = model(load_file(ids)["ids"]).logits
 save_file({"logits": logits.contiguous()}, out)
 print(json.dumps({"ids": tokenizer(sentence)["input_ids"], "model_type": model.config.model_type,
+                  "special": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
                   "tied": model.config.tie_word_embeddings, "bias": getattr(model.config, "attention_bias", None),
                   "lowbit": any(m.startswith("lowbit") for m in sys.modules)}))
 """
@@ -107,6 +108,8 @@ def test_transformers_loads_the_file_to_lowbits_logits_and_tokens(tmp_path, toke
     assert (logits - ours).abs().max() <= 1e-5 * ours.abs().max()
     assert (logits.argmax(-1) == ours.argmax(-1)).all()
     assert facts["ids"] == tokenizer(SENTENCE)["input_ids"]
+    assert facts["special"] == [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id] == [1, 2, 2]
+    assert not (out / "tokenizer.json").exists()  # beside it, transformers would drop those special tokens
 
 
 def test_lowbit_reads_back_the_same_bytes_and_types(tmp_path, tokenizer):
@@ -126,5 +129,6 @@ def test_lowbit_reads_back_the_same_bytes_and_types(tmp_path, tokenizer):
     embed = model.model.embed_tokens.weight.to(torch.bfloat16).float()
     assert torch.equal(loaded.model.embed_tokens.weight, embed)
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
-    assert tok(SENTENCE)["input_ids"] == tokenizer(SENTENCE)["input_ids"]
+    assert tok(SENTENCE)["input_ids"] == tokenizer(SENTENCE)["input_ids"]  # read from model.gguf
+    assert (tok.bos_token, tok.eos_token) == (tokenizer.bos_token, tokenizer.eos_token)
     assert checkpoint.is_checkpoint(out) and checkpoint.is_lowbit_export(out)

@@ -35,6 +35,12 @@ class ExportFormat(ABC):
         and the caller's float loading expect them."""
         return read_safetensors(folder)
 
+    def load_tokenizer(self, folder: Path, trust_remote_code: bool):
+        """The checkpoint's tokenizer, from its tokenizer files."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+
     @abstractmethod
     def read(self, model: nn.Module, tensors: dict[str, torch.Tensor], config: dict, where: str) -> None:
         """Put lowbit's runtime modules into `model` (built from config.json) for the quantized layers,

@@ -1,6 +1,7 @@
 """gguf: one model.gguf (tensors, metadata, tokenizer) for llama.cpp, Ollama and LM Studio, in a lowbit
-checkpoint folder (config.json whose quantization_config says quant_method "gguf", tokenizer files,
-card, manifest) that lowbit and transformers (`gguf_file="model.gguf"`) read back."""
+checkpoint folder (config.json whose quantization_config says quant_method "gguf", generation config,
+card, manifest; the tokenizer only inside model.gguf) that lowbit and transformers
+(`gguf_file="model.gguf"`) read back."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,10 +36,17 @@ class GGUFFormat(ExportFormat):
         config.pop(kv_scales.KEY, None)
         config["quantization_config"] = {"quant_method": METHOD, "file": GGUF_FILE, "type": cfg.type,
                                          "embedding_type": cfg.embedding_type}
-        write_folder_files(folder, model, tokenizer, config, extra_files)
+        # no tokenizer files: the tokenizer is in model.gguf, and transformers' gguf_file= loader, finding a
+        # tokenizer.json beside the file, builds the tokenizer without its BOS/EOS/PAD tokens
+        write_folder_files(folder, model, None, config, extra_files)
 
     def detects(self, config: dict) -> bool:
         return quant_method(config) == METHOD
+
+    def load_tokenizer(self, folder: Path, trust_remote_code: bool):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
 
     def read_tensors(self, folder: Path, model) -> dict[str, torch.Tensor]:
         return read_gguf_tensors(Path(folder) / GGUF_FILE, model)
