@@ -11,7 +11,8 @@ from torch import nn
 
 from .config import ExportConfig
 from .files import out_of_space_names
-from .formats.hf_folder import CONFIG, WEIGHTS
+from .formats.gguf import GGUF_FILE
+from .formats.hf_folder import CONFIG, INDEX, WEIGHTS
 from .formats.registry import FORMATS
 from .manifest import MANIFEST, write_manifest
 from .reader import load, read_tensors  # noqa: F401  (re-exported: checkpoint.load)
@@ -93,9 +94,9 @@ def publish(staging: Path, out_dir: Path) -> None:
 
 
 def is_checkpoint(folder: Path) -> bool:
-    """A published lowbit export (manifest present) or any safetensors model folder."""
+    """A published lowbit export (manifest present), any safetensors model folder, or lowbit's GGUF folder."""
     folder = Path(folder)
-    has_weights = (folder / WEIGHTS).is_file() or (folder / f"{WEIGHTS}.index.json").is_file()
+    has_weights = any((folder / name).is_file() for name in (WEIGHTS, INDEX, GGUF_FILE))
     return (folder / CONFIG).is_file() and has_weights
 
 

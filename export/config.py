@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, Optional, get_args
+
+from lowbit.quantize.grids.gguf import LAYOUTS
 
 from .formats.registry import FORMATS
 
 Format = Literal[tuple(FORMATS)]  # the registered formats' names, so recipes are checked against them
 Dtype = Literal["bfloat16", "float16", "float32"]
 DTYPES = get_args(Dtype)
+GGUFType = Literal[tuple(LAYOUTS)]  # GGML block types lowbit writes (q8_0, q4_0, q4_1, q5_0, q4_k, q6_k)
+GGUF_TYPES = get_args(GGUFType)
 
 
 @dataclass(frozen=True)
@@ -18,7 +22,18 @@ class ExportConfig:
     overwrite: bool = False  # replace a non-empty output folder
     # dtype of the float tensors and scales in the file; the runtimes compute in it too
     dtype: Dtype = "bfloat16"
+    # gguf only: the GGML type float linears are rounded to (llama.cpp's reference RTN; rows its
+    # block does not divide get llama.cpp's fallback); None keeps them in `dtype`. Linears a gguf
+    # recipe quantized keep the type their step chose.
+    type: Optional[GGUFType] = None
+    embedding_type: Optional[GGUFType] = None  # gguf only: the token embedding's type; None: `dtype`
 
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"unknown export format {self.format!r}; valid: {', '.join(FORMATS)}")
+        for key in ("type", "embedding_type"):
+            value = getattr(self, key)
+            if value is not None and value not in GGUF_TYPES:
+                raise ValueError(f"export.{key} {value!r} is not a GGUF type; valid: {', '.join(GGUF_TYPES)}")
+            if value is not None and self.format != "gguf":
+                raise ValueError(f"export.{key} applies to format gguf only (format is {self.format!r})")

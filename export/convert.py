@@ -13,14 +13,15 @@ PROVENANCE = ("recipe.yaml",)  # carried over; figures (results.json) describe t
 
 
 def convert(source: str | Path, output: str | Path, fmt: str, overwrite: bool = False,
-            dtype: str | None = None) -> Path:
+            dtype: str | None = None, gguf_type: str | None = None, embedding_type: str | None = None) -> Path:
     source = Path(source)
     if not is_checkpoint(source):
-        raise FileNotFoundError(f"{source}: not a checkpoint folder (needs config.json and model.safetensors "
-                                "or model.safetensors.index.json)")
+        raise FileNotFoundError(f"{source}: not a checkpoint folder (needs config.json and model.safetensors, "
+                                "model.safetensors.index.json or model.gguf)")
     if Path(output).resolve() == source.resolve():
         raise ValueError(f"--output {output} is the source checkpoint; choose another folder")
-    cfg = ExportConfig(format=fmt, overwrite=overwrite, dtype=dtype or _source_dtype(source))  # checks fmt
+    cfg = ExportConfig(format=fmt, overwrite=overwrite, dtype=dtype or _source_dtype(source),  # checks fmt
+                       type=gguf_type, embedding_type=embedding_type)
     problems = verify_manifest(source) if (source / MANIFEST).is_file() else []
     if problems:
         raise ValueError(f"{source} does not match its {MANIFEST}: {'; '.join(problems[:3])}")

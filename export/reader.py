@@ -2,18 +2,17 @@
 and checkpoints other tools wrote in one (compressed-tensors, single or sharded; plain float)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from lowbit.quantize.runtime.modules import is_quantized_linear
 
 from . import kv_scales
+from .formats.hf_folder import read_safetensors
 from .formats.registry import FORMATS, format_of
 
-INDEX = "model.safetensors.index.json"
+read_tensors = read_safetensors  # checkpoint.read_tensors: a safetensors folder's tensors
 
 
 def load(folder: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
@@ -31,33 +30,18 @@ def load(folder: str | Path, dtype: torch.dtype = torch.float32, trust_remote_co
     config_dict = config.to_dict()
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # we build the runtime modules ourselves
-    tensors = read_tensors(folder)
     with no_init_weights():  # every tensor is overwritten from the file; skip random init
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
+    fmt = format_of(config_dict)
+    tensors = fmt.read_tensors(folder, model) if fmt is not None else read_tensors(folder)
     _install_quantized(model, tensors, config_dict, f"{folder}/config.json")
     kv_scales.restore(model, config.to_dict(), tensors)
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     _load_float(model, tensors, folder)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    tokenizer = fmt.load_tokenizer(folder, trust_remote_code) if fmt is not None \
+        else AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     return model, tokenizer
-
-
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of model.safetensors, or of every shard its index lists."""
-    index = folder / INDEX
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-        else ["model.safetensors"]
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        path = folder / name
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: weight file missing" + (f" (listed in {index})" if index.is_file() else ""))
-        try:
-            tensors.update(load_file(str(path)))
-        except Exception as err:
-            raise ValueError(f"{path}: unreadable or truncated safetensors file ({err})") from err
-    return tensors
 
 
 def _install_quantized(model, tensors, config: dict, where: str) -> None:

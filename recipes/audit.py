@@ -85,8 +85,8 @@ def audit_checkpoint(folder: str | Path) -> AuditReport:
     Raises FileNotFoundError / ValueError when the folder is not a readable checkpoint."""
     folder = Path(folder)
     if not checkpoint.is_checkpoint(folder):
-        raise FileNotFoundError(f"{folder}: not a checkpoint folder (needs config.json and model.safetensors "
-                                "or model.safetensors.index.json)")
+        raise FileNotFoundError(f"{folder}: not a checkpoint folder (needs config.json and model.safetensors, "
+                                "model.safetensors.index.json or model.gguf)")
     model = _load(folder)
     arch = arch_for(model)
     results = folder / RESULTS_FILE

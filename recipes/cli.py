@@ -8,7 +8,7 @@ from pathlib import Path
 from lowbit.calibrate.corpora import CORPORA
 from lowbit.calibrate.models import BUILTIN_MODELS
 from lowbit.evaluate.config import MissingPackageError
-from lowbit.export.config import DTYPES
+from lowbit.export.config import DTYPES, GGUF_TYPES
 from lowbit.export.formats.registry import FORMATS
 
 from .schema import load_recipe, shipped_recipes
@@ -58,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     export.add_argument("--dtype", choices=DTYPES,
                         help="float tensors and scales (default: the source's)")
+    export.add_argument("--type", choices=GGUF_TYPES, help="gguf: round float linears to this GGML type "
+                        "(llama.cpp's reference RTN; default: keep them in --dtype)")
+    export.add_argument("--embedding-type", choices=GGUF_TYPES,
+                        help="gguf: the token embedding's GGML type (default: --dtype)")
     export.set_defaults(handler=_cmd_export)
     models = sub.add_parser("models", help="list built-in models")
     models.set_defaults(handler=_cmd_models)
@@ -118,7 +122,8 @@ def _cmd_run(args) -> int:
 def _cmd_export(args) -> int:
     from lowbit.export.convert import convert
 
-    out = convert(args.checkpoint, args.output, args.format, args.overwrite, args.dtype)
+    out = convert(args.checkpoint, args.output, args.format, args.overwrite, args.dtype,
+                  gguf_type=args.type, embedding_type=args.embedding_type)
     print(f"wrote {args.format} checkpoint {out}")
     return 0
 

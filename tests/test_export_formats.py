@@ -7,6 +7,7 @@ import json
 import pytest
 
 from export_helpers import compare_logits, load_without_tokenizer, quantized_tiny, token_ids
+from gguf_models import gguf_tiny, smollm2_tokenizer
 from lowbit.evaluate.memory import checkpoint_weight_bytes
 from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
@@ -15,10 +16,17 @@ from lowbit.export.model_card import render_card
 from lowbit.recipes.cli import main
 
 
+def example(name: str):
+    """A model and tokenizer the format holds: GGUF holds GGML block grids, and its tokenizer."""
+    if name == "gguf":
+        return gguf_tiny("llama", types=("q4_0", "q4_k")), smollm2_tokenizer()
+    return quantized_tiny(), None
+
+
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_each_format_detects_and_reads_what_it_writes(name, tmp_path):
-    model = quantized_tiny()
-    out = checkpoint.save(model, None, tmp_path / name, ExportConfig(format=name, dtype="float32"))
+    model, tokenizer = example(name)
+    out = checkpoint.save(model, tokenizer, tmp_path / name, ExportConfig(format=name, dtype="float32"))
     fmt = FORMATS[name]
     assert format_of_folder(out) is fmt
     assert checkpoint_weight_bytes(out) == fmt.weight_bytes(out) > 0
@@ -31,7 +39,7 @@ def test_each_format_detects_and_reads_what_it_writes(name, tmp_path):
 
 
 def test_formats_detect_disjoint_configs(tmp_path):
-    written = {name: json.loads((checkpoint.save(quantized_tiny(), None, tmp_path / name, ExportConfig(format=name))
+    written = {name: json.loads((checkpoint.save(*example(name), tmp_path / name, ExportConfig(format=name))
                                  / "config.json").read_text()) for name in FORMATS}
     for name, config in written.items():
         assert [n for n, f in FORMATS.items() if f.detects(config)] == [name]

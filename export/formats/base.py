@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .hf_folder import safetensors_bytes
+from .hf_folder import read_safetensors, safetensors_bytes
 
 if TYPE_CHECKING:
     from lowbit.export.config import ExportConfig
@@ -29,6 +29,17 @@ class ExportFormat(ABC):
     @abstractmethod
     def detects(self, config: dict) -> bool:
         """Whether a checkpoint whose config.json holds `config` is in this format."""
+
+    def read_tensors(self, folder: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every tensor of the checkpoint by its name in `model` (built from config.json), as read()
+        and the caller's float loading expect them."""
+        return read_safetensors(folder)
+
+    def load_tokenizer(self, folder: Path, trust_remote_code: bool):
+        """The checkpoint's tokenizer, from its tokenizer files."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
 
     @abstractmethod
     def read(self, model: nn.Module, tensors: dict[str, torch.Tensor], config: dict, where: str) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import nn
 
 from lowbit.export import kv_scales
@@ -14,6 +15,7 @@ from lowbit.export.files import save_tensors
 from lowbit.quantize.runtime.modules import is_quantized_linear
 
 WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 
 
@@ -91,6 +93,11 @@ def write_quantized(folder: Path, model, tokenizer, tensors: dict, qconfig: dict
 
 def write_folder(folder: Path, model, tokenizer, tensors: dict, config: dict, extra_files: dict[str, str]) -> None:
     save_tensors(tensors, folder / WEIGHTS, metadata={"format": "pt"})
+    write_folder_files(folder, model, tokenizer, config, extra_files)
+
+
+def write_folder_files(folder: Path, model, tokenizer, config: dict, extra_files: dict[str, str]) -> None:
+    """Everything of a checkpoint folder but the weights: tokenizer, generation config, extra files, config.json."""
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
@@ -98,6 +105,22 @@ def write_folder(folder: Path, model, tokenizer, tensors: dict, config: dict, ex
     for name, text in extra_files.items():
         (folder / name).write_text(text, encoding="utf-8")
     (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of every shard its index lists."""
+    index = folder / INDEX
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [WEIGHTS]
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: weight file missing" + (f" (listed in {index})" if index.is_file() else ""))
+        try:
+            tensors.update(load_file(str(path)))
+        except Exception as err:
+            raise ValueError(f"{path}: unreadable or truncated safetensors file ({err})") from err
+    return tensors
 
 
 def safetensors_bytes(folder: str | Path) -> int:

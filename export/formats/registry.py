@@ -8,6 +8,7 @@ from pathlib import Path
 from .base import ExportFormat
 from .compressed_tensors import CompressedTensorsFormat
 from .dense import DenseFormat
+from .gguf import GGUFFormat
 from .gptq import GPTQFormat
 from .hf_folder import CONFIG, safetensors_bytes
 
@@ -15,6 +16,7 @@ FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
     CompressedTensorsFormat(),
     GPTQFormat(),
     DenseFormat(),
+    GGUFFormat(),
 )}
 
 

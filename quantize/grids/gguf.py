@@ -37,6 +37,23 @@ LAYOUTS = {
 }
 
 
+# llama.cpp's substitute for a type whose block does not divide a row (llama_tensor_get_type's
+# "incompatible tensor" rule): a 32-block type of at least the same precision.
+_FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0"}
+
+
+def fallback_type(type: str, cols: int) -> Optional[str]:
+    """The GGUF type llama.cpp writes for rows `cols` long when `type` was asked: `type` itself when
+    its block divides the rows, else Q4_K -> Q5_0 and Q6_K -> Q8_0; None (keep the tensor float)
+    when not even a 32-block divides them."""
+    if type not in LAYOUTS:
+        raise ValueError(f"GGUF type must be one of {sorted(LAYOUTS)}, got {type!r}")
+    for candidate in (type, _FALLBACK.get(type)):
+        if candidate is not None and cols % LAYOUTS[candidate].block == 0:
+            return candidate
+    return None
+
+
 @dataclass(frozen=True)
 class GGUFScheme:
     """One GGML block type; bits_per_weight counts the scales too (Q4_K: 4.5)."""

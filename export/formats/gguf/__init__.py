@@ -1,0 +1,97 @@
+"""gguf: one model.gguf (tensors, metadata, tokenizer) for llama.cpp, Ollama and LM Studio, in a lowbit
+checkpoint folder (config.json whose quantization_config says quant_method "gguf", generation config,
+card, manifest; the tokenizer only inside model.gguf) that lowbit and transformers
+(`gguf_file="model.gguf"`) read back."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lowbit.export import kv_scales
+from lowbit.quantize.grids.gguf import GGUFScheme
+from lowbit.quantize.runtime.gguf_linear import GGUFLinear
+
+from ..base import ExportFormat
+from ..hf_folder import base_config, quant_method, write_folder_files
+from .reader import TYPE_SUFFIX, gguf_tensor_bytes, read_gguf_tensors
+from .writer import write_gguf
+
+GGUF_FILE = "model.gguf"
+METHOD = "gguf"  # config.json's quantization_config.quant_method: marks the format for lowbit's reader
+
+
+class GGUFFormat(ExportFormat):
+    name = "gguf"
+    summary = ("gguf: one model.gguf (GGML blocks Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K, tokenizer, metadata) "
+               "for llama.cpp, Ollama and LM Studio; --type quantizes float linears by llama.cpp's RTN")
+
+    def write(self, model, tokenizer, folder: Path, cfg, extra_files: dict[str, str]) -> None:
+        if kv_scales.kv_config(model) is not None:
+            raise ValueError("GGUF export cannot hold lowbit's quantized KV cache (llama.cpp chooses its cache "
+                             "type at run time: llama-cli --cache-type-k q8_0); drop the kv_cache step")
+        title = Path(getattr(model.config, "name_or_path", "") or "model").name or "model"
+        write_gguf(folder / GGUF_FILE, model, tokenizer, cfg, title)
+        config = base_config(model, cfg.dtype)
+        config.pop(kv_scales.KEY, None)
+        config["quantization_config"] = {"quant_method": METHOD, "file": GGUF_FILE, "type": cfg.type,
+                                         "embedding_type": cfg.embedding_type}
+        # no tokenizer files: the tokenizer is in model.gguf, and transformers' gguf_file= loader, finding a
+        # tokenizer.json beside the file, builds the tokenizer without its BOS/EOS/PAD tokens
+        write_folder_files(folder, model, None, config, extra_files)
+
+    def detects(self, config: dict) -> bool:
+        return quant_method(config) == METHOD
+
+    def load_tokenizer(self, folder: Path, trust_remote_code: bool):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+
+    def read_tensors(self, folder: Path, model) -> dict[str, torch.Tensor]:
+        return read_gguf_tensors(Path(folder) / GGUF_FILE, model)
+
+    def read(self, model, tensors, config: dict, where: str) -> None:
+        for key in [k for k in tensors if k.endswith(TYPE_SUFFIX)]:
+            layer = key.removesuffix(TYPE_SUFFIX)
+            ggml_type = int(tensors.pop(key))
+            scheme = _scheme(ggml_type, layer, where)
+            raw = tensors.pop(f"{layer}.weight")
+            bias = tensors.pop(f"{layer}.bias", None)
+            native = model.get_submodule(layer)
+            module = GGUFLinear(native.in_features, native.out_features, scheme, bias is not None)
+            if tuple(raw.shape) != tuple(module.weight.shape):
+                raise ValueError(f"{where}: {layer} holds {tuple(raw.shape)} bytes of {scheme.type}; the model "
+                                 f"in config.json needs {tuple(module.weight.shape)}")
+            module.weight.copy_(raw)
+            if bias is not None:
+                module.bias = bias.float().clone()
+            model.set_submodule(layer, module)
+
+    def weight_bytes(self, folder: Path) -> int:
+        return gguf_tensor_bytes(Path(folder) / GGUF_FILE)
+
+    def describe(self, config: dict) -> str:
+        q = config["quantization_config"]
+        rounded = [f"{what} rounded to {q[key]} by llama.cpp's RTN" for key, what in
+                   (("type", "float linears"), ("embedding_type", "token embedding")) if q.get(key)]
+        return f"GGUF, one file `{q.get('file', GGUF_FILE)}`" + (f" ({'; '.join(rounded)})" if rounded else "")
+
+    def loading(self, config: dict) -> list[str]:
+        file = config["quantization_config"].get("file", GGUF_FILE)
+        return ["```bash", f"llama-cli -m {file} -p \"Hello\"          # llama.cpp",
+                f"printf 'FROM ./{file}\\n' > Modelfile && ollama create mymodel -f Modelfile   # Ollama", "```",
+                "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+                f"model = AutoModelForCausalLM.from_pretrained(path, gguf_file=\"{file}\")  # dequantized on load",
+                f"tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=\"{file}\")", "```",
+                f"LM Studio: import `{file}`. One file holds the weights, the tokenizer and the chat template."]
+
+
+def _scheme(ggml_type: int, layer: str, where: str) -> GGUFScheme:
+    import gguf
+
+    name = gguf.GGMLQuantizationType(ggml_type).name.lower()
+    try:
+        return GGUFScheme(name)
+    except ValueError as err:
+        raise ValueError(f"{where}: {layer}: {err}") from None

@@ -1,0 +1,130 @@
+"""Writing model.gguf with the `gguf` package's GGUFWriter: metadata, tokenizer, then every tensor.
+
+GGUFLinear modules go in as their `weight` bytes unchanged (llama q/k rows reordered whole);
+float linears are rounded by llama.cpp's reference quantizer when the export names a `type`, else
+kept in the export dtype; 1-D tensors (norms, biases) are F32, as llama.cpp keeps them."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Iterator, NamedTuple, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from lowbit.export.files import out_of_space_names
+from lowbit.quantize.grids.gguf import GGUFScheme, fallback_type, quantize_gguf
+from lowbit.quantize.grids.gguf_packing import pack
+from lowbit.quantize.runtime.gguf_linear import GGUFLinear
+
+from ..hf_folder import float_tensors, quantized_modules
+from .names import TensorNames, add_hyperparameters, arch_of, qk_row_order
+from .tokenizer import add_tokenizer
+
+GGUF_RECIPES_HINT = ("GGUF holds GGML block grids: quantize with a gguf recipe (its steps write GGUFLinear "
+                     "modules), or export the float model with --type")
+
+
+class GGUFTensor(NamedTuple):
+    name: str
+    data: np.ndarray  # float32/float16 values, or the packed bytes of `ggml_type` (rows, bytes per row)
+    ggml_type: object  # gguf.GGMLQuantizationType
+    numel: int
+
+
+def write_gguf(path: Path, model: nn.Module, tokenizer, cfg, title: str) -> None:
+    import gguf
+
+    where = f"GGUF export of {title}"
+    if tokenizer is None:
+        raise ValueError(f"{where}: a .gguf file carries its tokenizer; none was given")
+    arch = arch_of(model.config, where)
+    tensors = list(model_tensors(model, cfg, arch, where))
+    writer = gguf.GGUFWriter(str(path), arch.name)
+    with out_of_space_names(path):
+        try:
+            writer.add_name(title)
+            add_hyperparameters(writer, model.config, arch)
+            writer.add_file_type(file_type(tensors, cfg.dtype))
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            add_tokenizer(writer, tokenizer, model.config.vocab_size, where)
+            for t in tensors:
+                writer.add_tensor(t.name, t.data, raw_dtype=t.ggml_type)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
+
+
+def model_tensors(model: nn.Module, cfg, arch, where: str) -> Iterator[GGUFTensor]:
+    """Every tensor the file holds, by its .gguf name; a tied lm_head is not among them (llama.cpp
+    reads token_embd for the output then, as convert_hf_to_gguf leaves it out)."""
+    quantized = quantized_modules(model)
+    for name, module in quantized.items():
+        if not isinstance(module, GGUFLinear):
+            raise ValueError(f"{where}: layer {name} is a {type(module).__name__}, which GGUF cannot hold. "
+                             f"{GGUF_RECIPES_HINT}")
+    names = TensorNames(arch, model.config.num_hidden_layers)
+    embedding = _param_name(model, model.get_input_embeddings().weight)
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for hf_name, tensor in float_tensors(model, quantized, torch.float32).items():
+        order = qk_row_order(model.config, hf_name, arch)
+        tensor = tensor if order is None else tensor[order]
+        wanted = cfg.embedding_type if hf_name == embedding else cfg.type if hf_name in linears else None
+        yield _float_tensor(_gguf_name(names, hf_name, where), tensor, wanted, cfg.dtype)
+    for layer, module in quantized.items():
+        order = qk_row_order(model.config, f"{layer}.weight", arch)
+        raw = module.weight if order is None else module.weight[order]
+        yield GGUFTensor(_gguf_name(names, f"{layer}.weight", where), raw.cpu().numpy(),
+                         module.scheme.ggml_type, module.in_features * module.out_features)
+        if module.bias is not None:
+            yield _float_tensor(_gguf_name(names, f"{layer}.bias", where),
+                                module.bias if order is None else module.bias[order], None, "float32")
+
+
+def _float_tensor(name: str, tensor: torch.Tensor, wanted: Optional[str], dtype: str) -> GGUFTensor:
+    """A float tensor as the file stores it: quantized to `wanted` (or llama.cpp's fallback for its
+    row length), else F32 for 1-D tensors and the export dtype for the others."""
+    import gguf
+
+    tensor = tensor.detach().float().cpu()
+    qtype = fallback_type(wanted, tensor.shape[-1]) if wanted and tensor.dim() == 2 else None
+    if qtype is not None:
+        scheme = GGUFScheme(qtype)
+        return GGUFTensor(name, pack(quantize_gguf(tensor, scheme, name)).numpy(), scheme.ggml_type, tensor.numel())
+    if tensor.dim() == 1 or dtype == "float32":
+        return GGUFTensor(name, tensor.numpy(), gguf.GGMLQuantizationType.F32, tensor.numel())
+    if dtype == "float16":
+        return GGUFTensor(name, tensor.half().numpy(), gguf.GGMLQuantizationType.F16, tensor.numel())
+    raw = tensor.to(torch.bfloat16).view(torch.uint8).numpy()  # torch's rounding, as every other export
+    return GGUFTensor(name, raw, gguf.GGMLQuantizationType.BF16, tensor.numel())
+
+
+def file_type(tensors: list[GGUFTensor], dtype: str):
+    """general.file_type: the type holding most 2-D weights (Q4_K with Q6_K beside it: llama.cpp's Q4_K_M)."""
+    import gguf
+
+    F = gguf.LlamaFileType
+    counts = Counter()
+    for t in tensors:
+        if t.data.ndim == 2:
+            counts[t.ggml_type.name] += t.numel
+    present = set(counts)
+    if "Q4_K" in present:
+        return F.MOSTLY_Q4_K_M if "Q6_K" in present else F.MOSTLY_Q4_K_S
+    top = counts.most_common(1)[0][0] if counts else {"float32": "F32", "float16": "F16"}.get(dtype, "BF16")
+    return {"F32": F.ALL_F32, "F16": F.MOSTLY_F16, "BF16": F.MOSTLY_BF16, "Q8_0": F.MOSTLY_Q8_0,
+            "Q4_0": F.MOSTLY_Q4_0, "Q4_1": F.MOSTLY_Q4_1, "Q5_0": F.MOSTLY_Q5_0, "Q6_K": F.MOSTLY_Q6_K}[top]
+
+
+def _gguf_name(names: TensorNames, hf_name: str, where: str) -> str:
+    name = names.gguf_name(hf_name)
+    if name is None:
+        raise ValueError(f"{where}: tensor {hf_name} has no GGUF name in llama.cpp's tensor map")
+    return name
+
+
+def _param_name(model: nn.Module, tensor: torch.Tensor) -> str:
+    return next(n for n, t in model.state_dict().items() if t.data_ptr() == tensor.data_ptr())
