@@ -2,6 +2,7 @@
 context (weights + KV cache + activations), a fit table per budget, and the measured peak."""
 from __future__ import annotations
 
+import ctypes
 import gc
 import math
 import threading
@@ -174,16 +175,26 @@ def measure_peak(fn: Callable[[], object], device: torch.device) -> tuple[object
     # garbage left by earlier work, collected while fn runs, would lower RSS under the baseline
     # and hide fn's own allocations (seen: a 256 MiB tensor measured as a 0-byte increase)
     gc.collect()
+    _return_free_heap_to_os()
     if _reset_rss_peak():
-        before = _proc_status_bytes("VmRSS")
+        before = proc_status_bytes("VmRSS")
         result = fn()
-        peak = _proc_status_bytes("VmHWM")
+        peak = proc_status_bytes("VmHWM")
         method = "VmHWM (reset via /proc/self/clear_refs)"
     else:
         result, before, peak = _sampled_rss(fn)
         method = "psutil RSS sampled every 1 ms"
     return result, {"method": method, "before_bytes": before, "peak_bytes": peak,
                     "increase_bytes": max(peak - before, 0)}
+
+
+def _return_free_heap_to_os() -> None:
+    """glibc keeps freed heap pages resident and hands them out again, so fn's allocations would
+    not raise RSS; malloc_trim(0) gives them back first (a no-op elsewhere: no glibc)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc (macOS, musl): nothing to trim
 
 
 def _reset_rss_peak() -> bool:
@@ -197,7 +208,7 @@ def _reset_rss_peak() -> bool:
     return True
 
 
-def _proc_status_bytes(field: str) -> int:
+def proc_status_bytes(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024  # reported in kB
