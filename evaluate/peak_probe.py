@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -73,7 +74,7 @@ def random_prompt(vocab: int, batch: int, context: int) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(0))
 
 
-def probe(source: Loadable, batch: int, context: int, decode_tokens: int) -> dict:
+def probe(source: Loadable, batch: int, context: int, decode_tokens: int, repeats: int = 3) -> dict:
     """In this (fresh) process: load, weigh the loaded model, then measure the prefill's peak."""
     # libraries imported before the baseline, so that the load's increase is the model's
     # (weights, tokenizer, its class's module), not transformers' ~150 MB of modules
@@ -94,8 +95,11 @@ def probe(source: Loadable, batch: int, context: int, decode_tokens: int) -> dic
     prefill_and_decode(model, ids[:, :8], 1)
     gc.collect()
     loaded = _rss()
-    cache_bytes, peak = measure_peak(lambda: prefill_and_decode(model, ids, decode_tokens), torch.device("cpu"))
-    return {**peak, "process": "fresh subprocess", "rss_before_load_bytes": start, "model_resident_bytes": loaded - start,
+    # the median of a few prefills (one load): threads' allocations still move a run's peak a little
+    runs = [measure_peak(lambda: prefill_and_decode(model, ids, decode_tokens), torch.device("cpu"))
+            for _ in range(repeats)]
+    cache_bytes, peak = sorted(runs, key=lambda run: run[1]["increase_bytes"])[len(runs) // 2]
+    return {**peak, "increase_each_bytes": [run[1]["increase_bytes"] for run in runs], "process": "fresh subprocess", "rss_before_load_bytes": start, "model_resident_bytes": loaded - start,
             "model_tensor_bytes": resident_tensor_bytes(model), "load_peak_bytes": load_peak, "cache_bytes": cache_bytes}
 
 
@@ -109,7 +113,10 @@ def measure_in_subprocess(source: Loadable, batch: int, context: int, decode_tok
                "--context", str(context), "--decode-tokens", str(decode_tokens)]
         cmd += ["--trust-remote-code"] * source.trust_remote_code + ["--allow-pickle"] * source.allow_pickle
         # cwd: a folder where no source tree can shadow installed packages
-        done = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
+        # a fixed mmap threshold: glibc otherwise raises it after each large free, so later tensors
+        # land on a heap that keeps freed pages, and the peak varied run to run by a third
+        env = {"MALLOC_MMAP_THRESHOLD_": "65536", **os.environ}
+        done = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env=env)
         if done.returncode != 0 or not out.exists():
             tail = "\n".join(done.stderr.strip().splitlines()[-5:])
             raise RuntimeError(f"the peak-memory subprocess for {target} exited with status {done.returncode}"
