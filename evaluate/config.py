@@ -73,7 +73,17 @@ class MemoryConfig:
     act_bytes: float = 2.0  # bytes per activation element at inference (16-bit)
     budgets_gb: tuple[float, ...] = (8.0, 24.0, 80.0)
     fit_context: int = 4096  # context at which the fit table counts concurrent sequences
-    measure_peak: bool = True  # measured peak during one prefill of batch x min(context, 512)
+    measure_peak: bool = True  # measured peak during one prefill of batch x min(context, measure_context)
+    measure_context: int = 512  # cap on the measured prefill's tokens (CPU time)
+    measure_decode_tokens: int = 4  # greedy tokens decoded after the measured prefill
+    # CPU: measure in a fresh process that loads the checkpoint once (a long-lived process's
+    # high-water mark holds earlier work's pages); "process": in this one (GPUs always are)
+    measure_in: Literal["subprocess", "process"] = "subprocess"
+
+    def __post_init__(self):
+        if self.measure_context < 1 or self.measure_decode_tokens < 0:
+            raise ValueError("memory needs measure_context >= 1 and measure_decode_tokens >= 0, got "
+                             f"{self.measure_context} and {self.measure_decode_tokens}")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from lowbit.export import checkpoint
 from .baseline import cached_baseline
 from .config import EvaluateConfig
 from .memory import checkpoint_weight_bytes, model_weight_bytes
+from .peak_probe import Loadable
 from .perplexity import perplexity
 from .results import Memory, ModelInfo, Quality, Results, plain
 from .suite import Reference, bnb_row, kv_bytes_per_element, memory_sections, quality_extras
@@ -32,7 +33,8 @@ def evaluate(target: str | Path, cfg: EvaluateConfig, reference: Optional[Refere
     model, tokenizer, weight_bytes = load_target(target, trust_remote_code, allow_pickle)
     measured = perplexity(model, tokenizer, cfg.perplexity)
     kv_bytes = kv_bytes_per_element(model, cfg.memory)
-    memory = memory_sections(model, weight_bytes, reference, cfg.memory, kv_bytes)
+    memory = memory_sections(model, weight_bytes, reference, cfg.memory, kv_bytes,
+                             Loadable(str(target), trust_remote_code, allow_pickle))
     model_name = reference.name or str(target)
     quality = Quality(
         perplexity=measured["perplexity"],

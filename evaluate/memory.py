@@ -2,6 +2,7 @@
 context (weights + KV cache + activations), a fit table per budget, and the measured peak."""
 from __future__ import annotations
 
+import ctypes
 import gc
 import math
 import threading
@@ -15,6 +16,8 @@ from torch import nn
 
 from lowbit.export.formats.registry import checkpoint_weight_bytes as format_weight_bytes
 from lowbit.quantize.runtime.qlinear import QuantLinear
+
+from .kv_layout import LayerKV, first_attr, kv_layers
 
 
 def model_weight_bytes(model: nn.Module, bytes_per_param: float | None = None) -> int:
@@ -74,31 +77,30 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    kv: tuple[LayerKV, ...] = ()  # per layer, what it caches; () = every layer K and V of every token
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
         c = config.get_text_config() if hasattr(config, "get_text_config") else config
-        hidden = _first(c, "hidden_size", "n_embd", "d_model")
-        heads = _first(c, "num_attention_heads", "n_head")
-        intermediate = _first(c, "intermediate_size", "ffn_dim", "n_inner", default=None) or 4 * hidden
-        kv_heads = _first(c, "num_key_value_heads", default=None) or heads
+        hidden = first_attr(c, "hidden_size", "n_embd", "d_model")
+        heads = first_attr(c, "num_attention_heads", "n_head")
+        intermediate = first_attr(c, "intermediate_size", "ffn_dim", "n_inner", default=None) or 4 * hidden
+        kv_heads = first_attr(c, "num_key_value_heads", default=None) or heads
         head_dim = getattr(c, "head_dim", None) or hidden // heads
-        return cls(_first(c, "num_hidden_layers", "n_layer"), hidden, intermediate, heads, kv_heads,
-                   head_dim, c.vocab_size)
+        return cls(first_attr(c, "num_hidden_layers", "n_layer"), hidden, intermediate, heads, kv_heads,
+                   head_dim, c.vocab_size, kv_layers(config))
 
 
-def _first(config, *names, default=...):
-    for name in names:
-        if getattr(config, name, None) is not None:
-            return getattr(config, name)
-    if default is ...:
-        raise ValueError(f"{type(config).__name__} has none of {names}; cannot size the model")
-    return default
+def kv_bytes_per_layer(shape: ModelShape, tokens: int, kv_bytes: float) -> list[float]:
+    """Bytes each layer caches for one sequence of `tokens` tokens: its elements per token times
+    the tokens it keeps (all, or its sliding window; none where it reuses another layer's)."""
+    layers = shape.kv or (LayerKV(2 * shape.kv_heads * shape.head_dim),) * shape.layers
+    return [layer.elements_per_token * layer.cached_tokens(tokens) * kv_bytes for layer in layers]
 
 
 def kv_cache_bytes(shape: ModelShape, tokens: int, batch: int, kv_bytes: float) -> int:
-    """K and V for every layer: 2 x layers x kv_heads x head_dim x bytes x tokens x batch."""
-    return int(2 * shape.layers * shape.kv_heads * shape.head_dim * kv_bytes * tokens * batch)
+    """The KV cache of `batch` sequences of `tokens` tokens, summed over layers."""
+    return int(sum(kv_bytes_per_layer(shape, tokens, kv_bytes)) * batch)
 
 
 def activation_bytes(shape: ModelShape, batch: int, context: int, act_bytes: float) -> int:
@@ -173,16 +175,26 @@ def measure_peak(fn: Callable[[], object], device: torch.device) -> tuple[object
     # garbage left by earlier work, collected while fn runs, would lower RSS under the baseline
     # and hide fn's own allocations (seen: a 256 MiB tensor measured as a 0-byte increase)
     gc.collect()
+    _return_free_heap_to_os()
     if _reset_rss_peak():
-        before = _proc_status_bytes("VmRSS")
+        before = proc_status_bytes("VmRSS")
         result = fn()
-        peak = _proc_status_bytes("VmHWM")
+        peak = proc_status_bytes("VmHWM")
         method = "VmHWM (reset via /proc/self/clear_refs)"
     else:
         result, before, peak = _sampled_rss(fn)
         method = "psutil RSS sampled every 1 ms"
     return result, {"method": method, "before_bytes": before, "peak_bytes": peak,
                     "increase_bytes": max(peak - before, 0)}
+
+
+def _return_free_heap_to_os() -> None:
+    """glibc keeps freed heap pages resident and hands them out again, so fn's allocations would
+    not raise RSS; malloc_trim(0) gives them back first (a no-op elsewhere: no glibc)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc (macOS, musl): nothing to trim
 
 
 def _reset_rss_peak() -> bool:
@@ -196,7 +208,7 @@ def _reset_rss_peak() -> bool:
     return True
 
 
-def _proc_status_bytes(field: str) -> int:
+def proc_status_bytes(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024  # reported in kB

@@ -52,19 +52,28 @@ def fit_tables(rows) -> tuple[list[str], list[list[str]]]:
 
 def memory_table(rows) -> tuple[list[str], list[list[str]]]:
     head = ["scheme", "weights MiB", "batch x context", "KV cache MiB", "activations MiB", "predicted total MiB",
-            "measured: prefill batch x context", "measured peak RSS MiB", "measured increase MiB",
-            "formula KV+act at measured size MiB"]
+            "measured: prefill batch x context + decoded", "loaded model resident MiB", "measured increase MiB",
+            "predicted KV+act at measured size MiB", "measured / predicted"]
     body = []
     for r in rows:
         p, m = r["predicted"], r["measured_peak"]
         if not p:
             continue
         mib = lambda v: _fmt(v and v / MIB, ".1f")  # noqa: E731
+        predicted = m.get("predicted_kv_plus_activations")
         body.append([r["label"], mib(r["weight_bytes"]), f"{p['batch']} x {p['context']}", mib(p["kv_cache"]),
-                     mib(p["activations"]), mib(p["total"]),
-                     f"{m['batch']} x {m['context']} ({m['dtype']})" if m else "–", mib(m.get("peak_bytes")),
-                     mib(m.get("increase_bytes")), mib(m.get("predicted_kv_plus_activations"))])
+                     mib(p["activations"]), mib(p["total"]), _measured_run(m), mib(m.get("model_resident_bytes")),
+                     mib(m.get("increase_bytes")), mib(predicted),
+                     _fmt(predicted and m["increase_bytes"] / predicted, ".2f")])
     return head, body
+
+
+def _measured_run(m: dict) -> str:
+    if not m:
+        return "–"
+    decoded = f" + {m['decode_tokens']}" if "decode_tokens" in m else ""  # older results: prefill only
+    where = f", {m['process']}" if "process" in m else ""
+    return f"{m['batch']} x {m['context']}{decoded} ({m['dtype']}{where})"
 
 
 def lm_eval_table(rows) -> tuple[list[str], list[list[str]]]:
@@ -115,9 +124,11 @@ def build_sections(rows, notes) -> list[tuple[str, tuple | None, bytes | None, s
          speed_note if speed else "No speed figures: enable evaluate.speed (e.g. --set evaluate.speed.enabled=true)."),
         ("Quality loss vs weight memory", None, mem, "" if mem else "No memory figures recorded."),
         ("Memory: predicted and measured", memory_table(rows), None,
-         "Measured on CPU is the process's resident-set high-water mark during one prefill; memory the "
-         "allocator already holds from earlier work is reused without raising it, so the increase can "
-         "stay below the formula. On GPU it is torch.cuda.max_memory_allocated."),
+         "Measured on CPU in a fresh process that loads the checkpoint once: the resident set the loaded "
+         "model took (after a short first call touches every weight), then the high-water mark's rise "
+         "during one prefill and a few decoded tokens (freed heap returned to the OS first, so reused pages "
+         "cannot hide it). On GPU it is torch.cuda.max_memory_allocated in the evaluating process. "
+         "The KV cache per layer counts sliding windows, shared and latent caches as the config says."),
         ("What fits: longest context (1 sequence) and concurrent sequences, by budget", fit_tables(rows), None,
          fit_note),
         ("lm-eval", lm if lm[1] else None, None, "" if lm[1] else "No lm-eval tasks were run."),

@@ -12,8 +12,7 @@ from .baseline import cached_baseline
 from .config import EvaluateConfig, MemoryConfig
 from .kl import kl_divergence
 from .memory import ModelShape, fit_table, measure_peak, model_weight_bytes, predicted_total
-
-MEASURE_CONTEXT_CAP = 512  # measured peak: one prefill of at most this many tokens (CPU time)
+from .peak_probe import Loadable, measure_in_subprocess, prefill_and_decode, random_prompt
 DEFAULT_KV_BYTES = 2.0  # a cache nothing quantizes: 16-bit keys and values
 
 
@@ -48,10 +47,12 @@ def kv_bytes_per_element(model, cfg: MemoryConfig) -> float:
     return cfg.kv_bytes if cfg.kv_bytes is not None else DEFAULT_KV_BYTES
 
 
-def memory_sections(model, weight_bytes: int, reference: Reference, cfg: MemoryConfig, kv_bytes: float) -> dict:
-    """The model's memory section (its peak measured before anything else is loaded), with the
-    reference's predicted footprint and fit beside it (a 16-bit deployment, 16-bit KV too)."""
-    memory = memory_section(model, weight_bytes, cfg, kv_bytes)
+def memory_sections(model, weight_bytes: int, reference: Reference, cfg: MemoryConfig, kv_bytes: float,
+                    source: Optional[Loadable] = None) -> dict:
+    """The model's memory section (its peak measured before anything else is loaded; on CPU in a
+    fresh process that loads `source`), with the reference's predicted footprint and fit beside
+    it (a 16-bit deployment, 16-bit KV too)."""
+    memory = memory_section(model, weight_bytes, cfg, kv_bytes, source)
     baseline_weight_bytes = reference.weight_bytes()
     memory["baseline_weight_bytes"] = baseline_weight_bytes
     if baseline_weight_bytes:
@@ -98,7 +99,8 @@ def bnb_row(model_name: str, mode: str, tokenizer, cfg: EvaluateConfig, referenc
         return {"unavailable": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
 
 
-def memory_section(model, weight_bytes: int, cfg: MemoryConfig, kv_bytes: float) -> dict:
+def memory_section(model, weight_bytes: int, cfg: MemoryConfig, kv_bytes: float,
+                   source: Optional[Loadable] = None) -> dict:
     """Predicted total and fit table for deployment (16-bit activations), and a measured peak."""
     shape = ModelShape.from_config(model.config)
     m = cfg
@@ -108,31 +110,27 @@ def memory_section(model, weight_bytes: int, cfg: MemoryConfig, kv_bytes: float)
         "model_max_context": getattr(model.config.get_text_config(), "max_position_embeddings", None),
     }
     if m.measure_peak:
-        out["measured_peak"] = measured_prefill_peak(model, shape, m)
+        out["measured_peak"] = measured_prefill_peak(model, shape, m, source)
     return out
 
 
-@torch.inference_mode()
-def measured_prefill_peak(model, shape: ModelShape, cfg: MemoryConfig) -> dict:
-    """Peak memory of one prefill at batch x context (capped), beside the formula for the same
-    run at the model's own dtype, so the two can be compared."""
-    from transformers import DynamicCache
-
-    from .speed import _forward_kwargs
-
+def measured_prefill_peak(model, shape: ModelShape, cfg: MemoryConfig, source: Optional[Loadable] = None) -> dict:
+    """Peak memory of one prefill at batch x context (capped) and a few decoded tokens, beside
+    the formula for the same run at the model's own dtype (its quantized KV cache's bytes where
+    attached), so the two can be compared. On CPU, in a fresh process that loads `source` when
+    given (cfg.measure_in), else in this one; on a GPU, torch's allocator counts in this one."""
     param = next(model.parameters())
-    context = min(cfg.context, MEASURE_CONTEXT_CAP)
-    ids = torch.randint(0, shape.vocab, (cfg.batch, context), generator=torch.Generator().manual_seed(0))
-    cache_kw, keep = _forward_kwargs(model)
-    extra = {"logits_to_keep": 1} if keep else {}
-
-    def prefill():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids.to(param.device), use_cache=True, **{cache_kw: cache}, **extra)
-        return cache
-
-    cache, peak = measure_peak(prefill, param.device)
+    context = min(cfg.context, cfg.measure_context)
+    steps = cfg.measure_decode_tokens
+    if param.device.type == "cpu" and source is not None and cfg.measure_in == "subprocess":
+        peak = measure_in_subprocess(source, cfg.batch, context, steps)
+    else:
+        ids = random_prompt(shape.vocab, cfg.batch, context)
+        cache_bytes, peak = measure_peak(lambda: prefill_and_decode(model, ids, steps), param.device)
+        peak.update(process="this process", cache_bytes=cache_bytes)
     elem = param.element_size()
-    predicted = predicted_total(0, shape, cfg.batch, context, elem, elem)
-    return {**peak, "batch": cfg.batch, "context": context, "dtype": str(param.dtype).removeprefix("torch."),
+    kv = getattr(model, "lowbit_kv_cache", None)
+    predicted = predicted_total(0, shape, cfg.batch, context + steps, kv.bytes_per_element if kv else elem, elem)
+    return {**peak, "batch": cfg.batch, "context": context, "decode_tokens": steps,
+            "dtype": str(param.dtype).removeprefix("torch."), "predicted_kv_cache": predicted["kv_cache"],
             "predicted_kv_plus_activations": predicted["kv_cache"] + predicted["activations"]}

@@ -92,19 +92,6 @@ def test_fit_table_reports_zero_when_weights_exceed_budget():
     assert row["max_context"] == 0 and row["max_sequences"] == 0
 
 
-def test_measured_peak_sees_a_large_allocation():
-    size = 256 * 2**20
-
-    def allocate():
-        t = torch.ones(size // 4)  # float32, touched so the pages are resident
-        return float(t[-1])
-
-    result, peak = measure_peak(allocate, torch.device("cpu"))
-    assert result == 1.0
-    assert peak["increase_bytes"] >= 0.9 * size
-    assert peak["peak_bytes"] >= peak["before_bytes"]
-
-
 @pytest.mark.parametrize("cfg,expected", [(KVCacheConfig("int8", "tensor"), 1.0), (KVCacheConfig("fp8", "head"), 1.0),
                                           (KVCacheConfig("int4", "token"), 0.5)], ids=str)
 def test_kv_bytes_come_from_the_reloaded_checkpoints_kv_cache(tmp_path, cfg, expected):

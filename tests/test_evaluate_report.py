@@ -118,3 +118,21 @@ def test_speed_note_names_the_kernels_timed_and_why_the_reference_ran(tmp_path):
     assert "CPU: x86_64 avx2 kernels, bf16 emulated." in page
     assert "w4: 154 x cpu_avx2" in page
     assert "w8: 154 x reference (no CPU kernel variant: this aarch64 CPU has no avx2)" in page
+
+
+def test_memory_table_puts_the_measured_increase_beside_the_prediction():
+    from lowbit.evaluate.report import memory_table
+
+    mib = 2**20
+    run = _results("w4", 11.0, 2 * mib, 10.0)
+    run["memory"]["predicted"] = {"batch": 1, "context": 2048, "kv_cache": 8 * mib, "activations": 4 * mib,
+                                  "total": 14 * mib}
+    run["memory"]["measured_peak"] = {"batch": 4, "context": 512, "decode_tokens": 4, "dtype": "float32",
+                                      "process": "fresh subprocess", "model_resident_bytes": 30 * mib,
+                                      "increase_bytes": 45 * mib, "predicted_kv_plus_activations": 30 * mib}
+    rows, _ = rows_for([run])
+    head, body = memory_table(rows)
+    line = dict(zip(head, body[0]))
+    assert line["measured: prefill batch x context + decoded"] == "4 x 512 + 4 (float32, fresh subprocess)"
+    assert (line["loaded model resident MiB"], line["measured increase MiB"]) == ("30.0", "45.0")
+    assert line["measured / predicted"] == "1.50"
