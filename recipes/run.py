@@ -27,6 +27,7 @@ from lowbit.export import checkpoint
 from lowbit.export.files import out_of_space_names
 from lowbit.export.manifest import write_text_atomic
 from lowbit.export.model_card import write_model_card
+from lowbit.recipes.gguf_defaults import export_config
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
 
@@ -94,7 +95,7 @@ def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
     audit = audit_run(model, recipe, arch, steps)  # before export: a failed audit publishes nothing
     audit.raise_if_failed()
     with timed("export_s"):
-        checkpoint.save(model, tokenizer, progress.new_checkpoint(), recipe.export)
+        checkpoint.save(model, tokenizer, progress.new_checkpoint(), export_config(recipe, model))
     exported = {"model": info, "baseline_bytes": baseline_bytes, "steps": steps, "audit": audit.to_dict(),
                 "seconds": seconds}
     progress.record_export(exported)

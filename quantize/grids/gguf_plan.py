@@ -17,11 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme
+from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme, fallback_type
 
 BASE_TYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
              "q4_k_m": "q4_k", "q6_k": "q6_k"}  # no Q5_K here, so no q4_k_s or q5_k_m
-FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0"}  # llama.cpp's, for rows that 256 does not divide
 MORE_BITS_ROLES = ("attn_v", "ffn_down")  # the tensors q4_k_m gives Q6_K in some layers
 # a linear's last name part -> llama.cpp's tensor category (what its mixture rules key on)
 ROLES = {"v_proj": "attn_v", "down_proj": "ffn_down", "w2": "ffn_down", "fc2": "ffn_down",
@@ -45,14 +44,6 @@ class GGUFTypes:
 
     def describe(self) -> str:
         return f"gguf {self.gguf}{' pure' if self.pure else ''}"
-
-
-def fallback_type(kind: str, cols: int) -> Optional[str]:
-    """The type a row of `cols` weights can take: `kind`, llama.cpp's fallback, or None (16-bit)."""
-    if cols % LAYOUTS[kind].block == 0:
-        return kind
-    kind = FALLBACK.get(kind, kind)
-    return kind if cols % LAYOUTS[kind].block == 0 else None
 
 
 def use_more_bits(index: int, count: int) -> bool:
