@@ -20,10 +20,11 @@ def q4_k_reference(x: torch.Tensor, weights: torch.Tensor | None = None) -> dict
     """weights (as x): importance of each weight's error; None: llama.cpp's own (no imatrix)."""
     subs = x.reshape(-1, 32)
     if weights is None:
-        av_x = torch.sqrt(_sum(subs * subs)[:, None] / 32)
+        av_x = torch.sqrt(_ordered_sum(subs * subs)[:, None] / 32)
         scales, mins, search_levels = _qkx2(subs, av_x + subs.abs(), nmax=15, rmin=-1.0, rdelta=0.1, nstep=20)
     else:  # the finer trial ranges llama.cpp searches when it has an importance matrix
-        scales, mins, search_levels = _qkx2(subs, weights.reshape(-1, 32), nmax=15, rmin=-0.9, rdelta=0.05, nstep=36)
+        scales, mins, search_levels = _qkx2(subs, weights.reshape(-1, 32), nmax=15, rmin=-0.9, rdelta=0.05, nstep=36,
+                                            ordered=False)
     scales, mins = scales.reshape(-1, 8), mins.reshape(-1, 8)
     max_scale = scales.amax(dim=1, keepdim=True).clamp(min=0)  # scales are >= 0 as the min is deducted
     max_min = mins.amax(dim=1, keepdim=True).clamp(min=0)
@@ -40,7 +41,8 @@ def q4_k_reference(x: torch.Tensor, weights: torch.Tensor | None = None) -> dict
 
 def q6_k_reference(x: torch.Tensor, weights: torch.Tensor | None = None) -> dict:
     subs = x.reshape(-1, 16)
-    scales, search_levels = _qx(subs, nmax=32, w=None if weights is None else weights.reshape(-1, 16))
+    scales, search_levels = _qx(subs, nmax=32, w=None if weights is None else weights.reshape(-1, 16),
+                                ordered=weights is None)
     scales = scales.reshape(-1, 16)
     max_scale = scales.gather(1, scales.abs().argmax(dim=1, keepdim=True))  # signed, first of equals
     zero = max_scale.abs() < GROUP_MAX_EPS  # llama.cpp writes an all-zero block
@@ -54,9 +56,11 @@ def q6_k_reference(x: torch.Tensor, weights: torch.Tensor | None = None) -> dict
     return {"levels": levels, "d": d, "sub_scale": sc.to(torch.int16)}
 
 
-def _qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int):
+def _qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, ordered: bool = True):
     """make_qkx2_quants on rows of x (n, 32) with weights w: scale, min (>= 0, to subtract) and
-    levels 0..nmax of the weighted least-squares affine fit over nstep + 1 trial ranges."""
+    levels 0..nmax of the weighted least-squares affine fit over nstep + 1 trial ranges.
+    ordered: sums left to right as C does (bit-exact reference); False: torch's faster sums."""
+    _sum = _ordered_sum if ordered else _fast_sum
     lo = x.amin(dim=1).clamp(max=0)
     hi = x.amax(dim=1)
     flat = hi == lo
@@ -64,7 +68,7 @@ def _qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: floa
     iscale = nmax / torch.where(flat, 1.0, hi - lo)
     scale = 1 / iscale
     levels = _affine_levels(x, lo, iscale, nmax)
-    best = _weighted_error(x, w, levels, scale, lo)
+    best = _weighted_error(x, w, levels, scale, lo, _sum)
     for step in range(nstep + 1):
         span = hi - lo  # lo moves to each improvement's min, as in llama.cpp
         numerator = torch.tensor(rmin, dtype=torch.float32) + torch.tensor(rdelta, dtype=torch.float32) * step + nmax
@@ -80,7 +84,7 @@ def _qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: floa
         positive = this_min > 0  # the min must stay <= 0: refit the scale alone
         this_scale = torch.where(positive, sum_xl / torch.where(fit, sum_l2, 1.0), this_scale)
         this_min = torch.where(positive, 0.0, this_min)
-        error = _weighted_error(x, w, trial, this_scale, this_min)
+        error = _weighted_error(x, w, trial, this_scale, this_min, _sum)
         better = fit & (span > 0) & (error < best)
         levels = torch.where(better[:, None], trial, levels)
         best = torch.where(better, error, best)
@@ -93,24 +97,25 @@ def _affine_levels(x, lo, iscale, nmax):
     return torch.round(iscale[:, None] * (x - lo[:, None])).nan_to_num(0.0).clamp(0, nmax)
 
 
-def _weighted_error(x, w, levels, scale, lo):
+def _weighted_error(x, w, levels, scale, lo, _sum):
     diff = scale[:, None] * levels + lo[:, None] - x
     return _sum(w * (diff * diff))
 
 
-def _qx(x: torch.Tensor, nmax: int, w: torch.Tensor | None = None):
+def _qx(x: torch.Tensor, nmax: int, w: torch.Tensor | None = None, ordered: bool = True):
     """make_qx_quants(rmse_type=1) on rows of x (n, k): the signed scale and levels -nmax..nmax-1
     that maximise the w-weighted fit (w = x² unless given) over 19 trial scales around -nmax / max."""
     signed_max = x.gather(1, x.abs().argmax(dim=1, keepdim=True))[:, 0]
     zero = signed_max.abs() < GROUP_MAX_EPS
     signed_max = torch.where(zero, 1.0, signed_max)
     w = x * x if w is None else w
-    levels, sum_lx, sum_l2 = _qx_trial(x, w, -nmax / signed_max, nmax)
+    _sum = _ordered_sum if ordered else _fast_sum
+    levels, sum_lx, sum_l2 = _qx_trial(x, w, -nmax / signed_max, nmax, _sum)
     scale = torch.where(sum_l2 != 0, sum_lx / torch.where(sum_l2 != 0, sum_l2, 1.0), 0.0)
     best = scale * sum_lx
     for step in [s for s in range(-9, 10) if s != 0]:
         offset = torch.tensor(0.1, dtype=torch.float32) * step + nmax
-        trial, trial_lx, trial_l2 = _qx_trial(x, w, -offset / signed_max, nmax)
+        trial, trial_lx, trial_l2 = _qx_trial(x, w, -offset / signed_max, nmax, _sum)
         better = (trial_l2 > 0) & (trial_lx * trial_lx > best * trial_l2)
         levels = torch.where(better[:, None], trial, levels)
         scale = torch.where(better, trial_lx / torch.where(better, trial_l2, 1.0), scale)
@@ -118,12 +123,16 @@ def _qx(x: torch.Tensor, nmax: int, w: torch.Tensor | None = None):
     return torch.where(zero, 0.0, scale), torch.where(zero[:, None], -nmax, levels)
 
 
-def _qx_trial(x, w, iscale, nmax):
+def _qx_trial(x, w, iscale, nmax, _sum):
     levels = torch.round(iscale[:, None] * x).clamp(-nmax, nmax - 1)
     return levels, _sum(w * x * levels), _sum(w * levels * levels)
 
 
-def _sum(t: torch.Tensor) -> torch.Tensor:
+def _fast_sum(t: torch.Tensor) -> torch.Tensor:
+    return t.sum(dim=1)
+
+
+def _ordered_sum(t: torch.Tensor) -> torch.Tensor:
     """Row sums of t (n, k) in float32, left to right: k small ops over all n rows at once."""
     columns = t.t().contiguous()  # each column one contiguous run: the loop streams memory
     total = columns[0].clone()

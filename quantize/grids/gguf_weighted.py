@@ -6,7 +6,7 @@ imatrix weighting; the searches are llama.cpp's: make_qx_quants' 19 trial scales
 symmetric formats (Q8_0, Q4_0, Q5_0; Q6_K's sub-blocks), make_qkx2's trial ranges for the affine
 ones (Q4_1; Q4_K's sub-blocks, with the finer ranges llama.cpp uses given an imatrix). Levels are
 then the nearest on the stored fp16 grid. Not byte-identical to llama.cpp's imatrix path (σ² is
-per row for every type here); what matters is that the file holds exactly the grid chosen.
+per row for every type here, sums in torch's order); what matters is that the file holds exactly the grid chosen.
 """
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ def quantize_weighted(W: torch.Tensor, scheme: GGUFScheme, importance: torch.Ten
         levels = fields.pop("levels")
         return GGUFWeight(scheme, levels.reshape(rows, -1).to(torch.int16), **{k: v.reshape(rows, -1) for k, v in fields.items()})
     if kind in SYMMETRIC_NMAX:
-        scale, _ = gguf_kquants._qx(x, SYMMETRIC_NMAX[kind], w)
+        scale, _ = gguf_kquants._qx(x, SYMMETRIC_NMAX[kind], w, ordered=False)
         fields = {"d": scale.half().reshape(rows, -1)}
     else:  # q4_1: value = d·level + m, m <= 0 the block's min
-        scale, min_sub, _ = gguf_kquants._qkx2(x, w, nmax=15, rmin=-1.0, rdelta=0.1, nstep=20)
+        scale, min_sub, _ = gguf_kquants._qkx2(x, w, nmax=15, rmin=-1.0, rdelta=0.1, nstep=20, ordered=False)
         fields = {"d": scale.half().reshape(rows, -1), "dmin": (-min_sub).half().reshape(rows, -1)}
     placeholder = GGUFWeight(scheme, torch.zeros(W.shape, dtype=torch.int16), **fields)
     S, M = placeholder.sub_scale_offset()
