@@ -24,8 +24,7 @@ from lowbit.quantize.runtime.modules import is_quantized_linear
 from lowbit.quantize.grids.kv import KVCacheConfig
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.gguf import GGUFScheme
-from lowbit.quantize.grids.gguf_plan import GGUFTypes
-from lowbit.quantize.steps.gguf_rounding import SIXTEEN_BIT
+from lowbit.quantize.grids.gguf_plan import SIXTEEN_BIT, GGUFTypes
 from lowbit.quantize.targets import gguf_types
 
 from .schema import Recipe, parse_recipe

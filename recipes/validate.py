@@ -38,9 +38,9 @@ def build(cls, data: Any, source: str, key: str = ""):
 def _grid_hint(cls, unknown: list[str]) -> str:
     """Recipes written before the weight grid became one `scheme:` object put its keys on the step."""
     grid = typing.get_type_hints(cls).get("scheme")
-    if not dataclasses.is_dataclass(grid):
-        return ""
-    moved = [k for k in unknown if k in {f.name for f in dataclasses.fields(grid)}]
+    grids = [g for g in (typing.get_args(grid) or (grid,)) if dataclasses.is_dataclass(g)]  # one or a Union
+    names = {f.name for g in grids for f in dataclasses.fields(g)}
+    moved = [k for k in unknown if k in names]
     return f" the weight grid's options ({', '.join(moved)}) go under scheme: (in the step, or once at the recipe's top level);" if moved else ""
 
 

@@ -21,6 +21,7 @@ from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme, fallback_type
 
 BASE_TYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
              "q4_k_m": "q4_k", "q6_k": "q6_k"}  # no Q5_K here, so no q4_k_s or q5_k_m
+SIXTEEN_BIT = "rows not a multiple of 32 long: no GGML block fits, kept 16-bit (as llama.cpp does)"
 MORE_BITS_ROLES = ("attn_v", "ffn_down")  # the tensors q4_k_m gives Q6_K in some layers
 # a linear's last name part -> llama.cpp's tensor category (what its mixture rules key on)
 ROLES = {"v_proj": "attn_v", "down_proj": "ffn_down", "w2": "ffn_down", "fc2": "ffn_down",

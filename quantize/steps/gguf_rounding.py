@@ -10,14 +10,13 @@ import torch
 from lowbit.calibrate.arch import linear_weight
 from lowbit.calibrate.progress import Progress
 from lowbit.quantize.grids.gguf import GGUFScheme, quantize_gguf
-from lowbit.quantize.grids.gguf_plan import GGUFTypes
+from lowbit.quantize.grids.gguf_plan import SIXTEEN_BIT, GGUFTypes
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.gptq_solver import gptq_solve_gguf
 from lowbit.quantize.steps.layerwise import linear_stats
 from lowbit.quantize.targets import Targets, gguf_types, replace_module, select_targets
 
-SIXTEEN_BIT = "rows not a multiple of 32 long: no GGML block fits, kept 16-bit (as llama.cpp does)"
 
 
 def planned_targets(ctx: StepContext, types: GGUFTypes) -> tuple[Targets, dict[str, GGUFScheme]]:
