@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme, fallback_type
+from lowbit.quantize.grids.gguf import LAYOUTS, fallback_type
 
 BASE_TYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
              "q4_k_m": "q4_k", "q6_k": "q6_k"}  # no Q5_K here, so no q4_k_s or q5_k_m
@@ -75,7 +75,3 @@ def output_type(types: GGUFTypes, cols: int) -> Optional[str]:
 def embedding_type(types: GGUFTypes, cols: int, tied: bool) -> Optional[str]:
     """The token embedding's type: the output's when tied (it is the output), else the base type."""
     return output_type(types, cols) if tied else fallback_type(types.base, cols)
-
-
-def scheme(kind: Optional[str]) -> Optional[GGUFScheme]:
-    return None if kind is None else GGUFScheme(kind)
