@@ -18,19 +18,21 @@ from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme, GGUFWeight, round_to
 SYMMETRIC_NMAX = {"q8_0": 128, "q4_0": 8, "q5_0": 16}
 
 
-def error_weights(W: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
-    """(rows, cols) weight of each element's squared error; importance (cols,) >= 0."""
+def error_weights(W: torch.Tensor, importance: torch.Tensor, sigma2: torch.Tensor | None = None) -> torch.Tensor:
+    """(rows, cols) weight of each element's squared error; importance (cols,) >= 0; sigma2 (rows, 1)
+    the rows' mean squares (default: W's own; a caller quantizing W block by block passes the whole rows')."""
     W = W.float()
-    sigma2 = (W * W).mean(dim=1, keepdim=True)
+    sigma2 = (W * W).mean(dim=1, keepdim=True) if sigma2 is None else sigma2
     imp = importance.float().clamp(min=0)
     imp = imp + 1e-6 * imp.mean().clamp(min=1e-30)  # dead inputs keep a tiny weight: no empty fit
     return imp[None, :] * torch.sqrt(sigma2 + W * W)
 
 
-def quantize_weighted(W: torch.Tensor, scheme: GGUFScheme, importance: torch.Tensor) -> GGUFWeight:
+def quantize_weighted(W: torch.Tensor, scheme: GGUFScheme, importance: torch.Tensor,
+                      sigma2: torch.Tensor | None = None) -> GGUFWeight:
     rows, kind, block = W.shape[0], scheme.type, scheme.block_size
     x = W.detach().float().reshape(-1, block)
-    w = error_weights(W.detach(), importance).reshape(-1, block)
+    w = error_weights(W.detach(), importance, sigma2).reshape(-1, block)
     if kind in ("q4_k", "q6_k"):
         ref = gguf_kquants.q4_k_reference if kind == "q4_k" else gguf_kquants.q6_k_reference
         fields = ref(x, w)

@@ -48,6 +48,9 @@ class GPTQConfig:
     # bfloat16 where the device has fast bf16 matmuls (CUDA, CPUs where cpu_info().bf16_native),
     # else float32 (torch emulates bf16 on other CPUs: a 4096x576x1536 matmul 9x slower on AVX2)
     forward_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    # GGUF Q8_0/Q4_0/Q4_1/Q5_0 with actorder static: times the block scales are refitted by least
+    # squares to the levels the sweep chose (a new sweep onto them between refits); 0: scales as searched
+    scale_refits: int = 0
 
     def __post_init__(self):
         if isinstance(self.scheme, IntScheme) and self.scheme.strategy == "tensor":
@@ -59,6 +62,8 @@ class GPTQConfig:
             raise ValueError(f"scale_search must be minmax or mse, got {self.scale_search!r}")
         if not 0 <= self.dampening_frac < 10:
             raise ValueError(f"dampening_frac must be in [0, 10), got {self.dampening_frac}")
+        if not 0 <= self.scale_refits <= 10:
+            raise ValueError(f"scale_refits must be between 0 and 10, got {self.scale_refits}")
         if self.forward_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"forward_dtype must be auto, bfloat16 or float32, got {self.forward_dtype!r}")
 

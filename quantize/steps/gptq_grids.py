@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 
 from lowbit.quantize.grids.fp8 import FP8Format, saturating_cast
-from lowbit.quantize.grids.gguf import GGUFScheme, affine_values, nearest_levels
+from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight, affine_values, nearest_levels, quantize_gguf
+from lowbit.quantize.grids.gguf_weighted import quantize_weighted
 from lowbit.quantize.grids.integer import IntScheme, compute_scale_zero, fake_quantize, grouped, scale_zero_from_range
 from lowbit.quantize.grids.scale_search import search_scale_zero
 
@@ -42,6 +43,43 @@ class GGUFColumnGrid:
         s, m = self.S_t[j], None if self.M_t is None else self.M_t[j]
         q = self.levels_t[j] = nearest_levels(w, s, m, self.scheme)
         return affine_values(q, s, m)
+
+
+class LazyGGUFColumnGrid(GGUFColumnGrid):
+    """GGUF blocks whose scales (and mins) are searched when the sweep reaches each block, from the
+    weights as GPTQ has updated them so far (columns in order): the errors pushed onto a block
+    are fitted by its scale as well as by its levels."""
+
+    def __init__(self, rows: int, cols: int, scheme: GGUFScheme, device, importance=None, sigma2=None):
+        super().__init__(torch.zeros(rows, cols, device=device), None, scheme)
+        self.S_t = self.S_t.contiguous()  # filled block by block
+        self.M_t = torch.zeros_like(self.S_t) if scheme.layout.has_min else None
+        self.importance, self.sigma2 = importance, sigma2  # (cols,), (rows, 1): of the whole rows
+        self.blocks: list[GGUFWeight] = []
+
+    def begin(self, j: int, Wt_rest: torch.Tensor) -> None:
+        size = self.scheme.block_size
+        if j % size:
+            return
+        W = Wt_rest[:size].t()  # (rows, size), current values
+        if self.importance is None:
+            part = quantize_gguf(W, self.scheme)
+        else:
+            part = quantize_weighted(W, self.scheme, self.importance[j : j + size], self.sigma2)
+        S, M = part.sub_scale_offset()
+        sub = self.scheme.layout.sub
+        self.S_t[j : j + size] = S.repeat_interleave(sub, dim=1).t()
+        if M is not None:
+            self.M_t[j : j + size] = M.repeat_interleave(sub, dim=1).t()
+        self.blocks.append(part)
+
+    def weight(self) -> GGUFWeight:
+        """The solved weight: every block's fields side by side, the sweep's levels."""
+        def joined(field):
+            parts = [getattr(b, field) for b in self.blocks]
+            return None if parts[0] is None else torch.cat(parts, dim=1)
+        return GGUFWeight(self.scheme, self.levels_t.t().contiguous(), joined("d"), joined("dmin"),
+                          joined("sub_scale"), joined("sub_min"))
 
 
 class FixedColumnGrid:

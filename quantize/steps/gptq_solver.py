@@ -13,7 +13,9 @@ import torch
 from lowbit.quantize.grids.fp8 import FP8Format, FP8Weight, WeightStrategy, element_scale, saturating_cast, weight_scale
 from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight, quantize_gguf
 from lowbit.quantize.grids.quantized_weight import QuantizedWeight
-from lowbit.quantize.steps.gptq_grids import FixedColumnGrid, FP8ColumnGrid, GGUFColumnGrid, LazyColumnGrid
+from lowbit.quantize.steps.gguf_refit import REFITTABLE, refit_block_scales
+from lowbit.quantize.steps.gptq_grids import (FixedColumnGrid, FP8ColumnGrid, GGUFColumnGrid, LazyColumnGrid,
+                                              LazyGGUFColumnGrid)
 
 if TYPE_CHECKING:
     from lowbit.quantize.steps.gptq import GPTQConfig
@@ -124,15 +126,20 @@ def _gptq_solve_fp8(W, H, cfg: GPTQConfig, strategy: WeightStrategy, fmt: FP8For
 
 def gptq_solve_gguf(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig,
                     scheme: GGUFScheme) -> tuple[GGUFWeight, torch.Tensor, float, int]:
-    """GPTQ of W onto a GGML block grid whose scales (and mins) llama.cpp's reference search fixes
-    from W first (cfg.scheme is not used; cfg.scale_search mse weights that search by H's diagonal). Returns the GGUFWeight (it packs as it is: the sweep
-    rounds onto exactly the grid the file stores), row losses, the damping used and its retries."""
+    """GPTQ of W onto a GGML block grid (cfg.scheme is not used). Block scales (and mins) come from
+    llama.cpp's reference search (cfg.scale_search mse: weighted by H's diagonal, its imatrix), on W
+    before the sweep with actorder static, on the updated weights as the sweep reaches each block with
+    actorder none. Returns the GGUFWeight (it packs as it is: the sweep rounds onto exactly the grid
+    the file stores), row losses, the damping used and its retries."""
     return _single_threaded(_gptq_solve_gguf, W, H, cfg, scheme)
 
 
 def _gptq_solve_gguf(W, H, cfg: GPTQConfig, scheme: GGUFScheme):
     if cfg.actorder == "group":
-        raise ValueError("GGUF GPTQ supports actorder none or static (its block scales are fixed before the sweep)")
+        raise ValueError("GGUF GPTQ supports actorder none (block scales searched as the sweep reaches each "
+                         "block) or static (block scales fixed before the sweep)")
+    if cfg.actorder == "none":
+        return _gptq_solve_gguf_lazy(W, H, cfg, scheme)
     # mse: block scales searched for the error weighted by H's diagonal (llama.cpp's imatrix);
     # minmax: llama.cpp's own reference scales
     fixed = quantize_gguf(W, scheme, importance=H.diagonal() if cfg.scale_search == "mse" else None)
@@ -142,12 +149,58 @@ def _gptq_solve_gguf(W, H, cfg: GPTQConfig, scheme: GGUFScheme):
     Wp, _, perm, U, frac, retries = _prepare(W, H, cfg)
     if perm is not None:
         S, M = S[:, perm], None if M is None else M[:, perm]
-    grid = GGUFColumnGrid(S, M, scheme)
+    weight, row_loss = _sweep_fixed(Wp, U, perm, fixed, S, M, cfg)
+    if cfg.scale_refits and scheme.type in REFITTABLE:
+        weight, row_loss = _refit_and_sweep(W, H, Wp, U, perm, weight, cfg, frac)
+    return weight, row_loss, frac, retries
+
+
+def _sweep_fixed(Wp, U, perm, weight: GGUFWeight, S, M, cfg: GPTQConfig):
+    """One sweep over the permuted columns onto fixed per-element grids S, M (permuted)."""
+    grid = GGUFColumnGrid(S, M, weight.scheme)
     _, row_loss = _solve_blocks(Wp, U, grid, cfg.batch_columns)
     levels = grid.levels_t.t()
     if perm is not None:
         levels = levels[:, torch.argsort(perm)]
-    return replace(fixed, levels=levels.contiguous()), row_loss, frac, retries
+    return replace(weight, levels=levels.contiguous()), row_loss
+
+
+def _refit_and_sweep(W, H, Wp, U, perm, weight: GGUFWeight, cfg: GPTQConfig, frac: float):
+    """cfg.scale_refits times: block scales refitted to the levels (gguf_refit), a new sweep onto
+    them between refits; the last refit is kept. Row losses are then the exact (w - ŵ)ᵀH(w - ŵ)/2
+    under the damped H the sweeps used."""
+    Hd, dead = _damped(H, frac)
+    W = W.detach().float().clone()
+    W[:, dead] = 0.0  # as the sweeps saw it
+    sub = weight.scheme.layout.sub
+    for round_ in range(cfg.scale_refits):
+        weight = refit_block_scales(W, Hd, weight)
+        if round_ + 1 < cfg.scale_refits:
+            S, M = (None if t is None else t.repeat_interleave(sub, dim=1) for t in weight.sub_scale_offset())
+            if perm is not None:
+                S, M = S[:, perm], None if M is None else M[:, perm]
+            weight, _ = _sweep_fixed(Wp, U, perm, weight, S, M, cfg)
+    D = W - weight.dequantize()
+    return weight, ((D @ Hd) * D).sum(dim=1) / 2
+
+
+def _damped(H: torch.Tensor, frac: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """H as the sweep factorised it (dead inputs given a unit diagonal, then damped), and the dead inputs."""
+    H = H.detach().float().clone()
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1.0
+    return H + frac * H.diagonal().mean() * torch.eye(H.shape[0], dtype=H.dtype, device=H.device), dead
+
+
+def _gptq_solve_gguf_lazy(W, H, cfg: GPTQConfig, scheme: GGUFScheme):
+    """Columns in order; each block's scales searched from its updated weights when the sweep reaches it."""
+    sigma2 = W.detach().float().square().mean(dim=1, keepdim=True)  # the original rows' (llama.cpp's σ²)
+    Wp, _, _, U, frac, retries = _prepare(W, H, cfg)
+    importance = H.diagonal() if cfg.scale_search == "mse" else None
+    grid = LazyGGUFColumnGrid(*Wp.shape, scheme, Wp.device, importance, sigma2)
+    size = scheme.block_size  # each block inside one batch of columns: begin() sees all of it
+    _, row_loss = _solve_blocks(Wp, U, grid, max(size, cfg.batch_columns // size * size))
+    return grid.weight(), row_loss, frac, retries
 
 
 def _prepare(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig):
