@@ -8,6 +8,13 @@ recipe's checkpoint (or its perplexity) shows up here and must be re-pinned on p
 Floating-point results depend on the CPU's kernels (bf16 forwards where bf16 is native, oneDNN's
 ISA, torch's vector width), so pins are kept per numeric environment; a machine whose
 environment has no pins says so and skips (record them there with the command above).
+
+The environment names the CPU by its feature flags, not only by the paths lowbit picks: two
+AVX-512+BF16 machines with the same paths disagreed in the last bits, in the native and in the
+AVX2-capped runs alike, on every recipe with FP8 activations, KV-cache or SmoothQuant
+calibration, or GPTQ, while the RTN, AWQ and W8A8-INT8 recipes agreed. Neither MKL's branch
+(MKL_CBWR), the thread count, oneDNN's ISA cap nor the FP8 cast (round to nearest even here)
+explained it on the machine at hand, so the pins say which CPU they were recorded on.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import pytest
 import torch
 
 from tiny_models import save_tiny_llama
-from lowbit.calibrate.hardware import cpu_info
+from lowbit.calibrate.hardware import cpu_flags, cpu_info
 from lowbit.recipes.cli import main
 from lowbit.recipes.schema import shipped_recipes
 
@@ -38,8 +45,9 @@ def environment() -> str:
     ISA caps torch and oneDNN run under."""
     info = cpu_info()
     caps = "/".join(os.environ.get(k, "-") for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+    cpu = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
     return (f"torch {torch.__version__}, {info.isa}, bf16 {'native' if info.bf16_native else 'emulated'}, "
-            f"int8 {'native' if info.int8_native else 'emulated'}, caps {caps}")
+            f"int8 {'native' if info.int8_native else 'emulated'}, caps {caps}, cpu flags {cpu}")
 
 
 def file_hashes(folder: Path) -> dict[str, str]:
