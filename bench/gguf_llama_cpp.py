@@ -2,7 +2,7 @@
 evaluation text, its perplexity under the project's protocol, and a greedy continuation, beside
 lowbit's own figures for the same file.
 
-    pip install llama-cpp-python        # builds llama.cpp from source (~15-30 min on 2 cores)
+    pip install llama-cpp-python        # compiles llama.cpp: about an hour on 2 shared cores
     python bench/gguf_llama_cpp.py runs/gguf-q4_0-gptq [runs/gguf-q4_k-gptq ...] [--json]
 
 The evaluation tokens are the file's own tokenizer's (transformers reads it from model.gguf);

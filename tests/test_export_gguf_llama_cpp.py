@@ -27,7 +27,8 @@ def exported(tmp_path_factory):
                           ExportConfig(format="gguf", dtype="float32"))
     llm = llama_cpp.Llama(model_path=str(out / "model.gguf"), n_ctx=128, logits_all=True, n_threads=1,
                           verbose=False)
-    return model, tokenizer, llm
+    yield model, tokenizer, llm
+    llm.close()  # before interpreter shutdown, when the binding's free function may be gone
 
 
 def test_llama_cpp_tokenizes_as_the_file_s_tokenizer(exported):
@@ -47,5 +48,5 @@ def test_llama_cpp_logits_follow_lowbit_s(exported):
     with torch.no_grad():
         ours = model(ids[None]).logits[0]
     cosine = torch.nn.functional.cosine_similarity(theirs, ours, dim=-1)
-    assert float(cosine.min()) > 0.99, cosine
-    assert float((theirs.argmax(-1) == ours.argmax(-1)).float().mean()) >= 0.9
+    assert float(cosine.min()) > 0.999, cosine  # measured: 0.99990
+    assert float((theirs.argmax(-1) == ours.argmax(-1)).float().mean()) >= 0.9  # measured: 63 of 64
