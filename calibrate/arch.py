@@ -4,6 +4,7 @@ Adding an architecture is a row in ARCHS, never an isinstance chain.
 """
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -162,3 +163,14 @@ def target_linears(model: nn.Module, arch: Arch) -> dict[str, nn.Module]:
         for name in arch.linears:
             out[f"{arch.layers}.{i}.{name}"] = layer.get_submodule(name)
     return out
+
+
+def matches_name(name: str, patterns) -> bool:
+    """Exact module name, a trailing component path (`lm_head`, `mlp.down_proj`), or `re:REGEX`."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.fullmatch(p[3:], name):
+                return True
+        elif name == p or name.endswith("." + p):
+            return True
+    return False

@@ -120,7 +120,7 @@ def capture_first_layer_inputs(model, arch: Arch, batches: torch.Tensor, micro_b
     handles = [layer.register_forward_pre_hook(make_hook(i), with_kwargs=True)
                for i, layer in enumerate(layers)]
     for layer in layers:  # pass-through: only the kwargs of layers after the first are needed
-        layer.forward = _pass_through
+        layer.forward = pass_through
     try:
         for start in range(0, batches.shape[0], micro_batch):
             ids = batches[start : start + micro_batch]
@@ -144,7 +144,8 @@ def capture_first_layer_inputs(model, arch: Arch, batches: torch.Tensor, micro_b
     return inputs
 
 
-def _pass_through(hidden_states, *args, **kwargs):
+def pass_through(hidden_states, *args, **kwargs):
+    """A decoder layer's forward that hands its input on: set on a layer to skip it."""
     return hidden_states
 
 

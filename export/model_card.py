@@ -59,7 +59,18 @@ def _flat(options: dict) -> dict:
     out = {}
     for key, value in options.items():
         out.update(value if isinstance(value, dict) else {key: value})
+    if isinstance(out.get("types"), dict):  # a GGUF plan's per-linear types: counted, not listed
+        out["types"] = _type_counts(out["types"])
     return out
+
+
+def _type_counts(types: dict) -> str | None:
+    if not types:
+        return None
+    counts: dict[str, int] = {}
+    for kind in types.values():
+        counts[kind] = counts.get(kind, 0) + 1
+    return "per linear: " + " ".join(f"{kind} {n}" for kind, n in sorted(counts.items()))
 
 
 def _unregistered(config: dict) -> str:

@@ -1,25 +1,16 @@
 """Which linears a recipe quantizes, and swapping them for runtime modules."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
 from torch import nn
 
-from lowbit.calibrate.arch import Arch, decoder_layers, is_linear, linear_weight, target_linears
+from lowbit.calibrate.arch import Arch, decoder_layers, is_linear, linear_weight, matches_name, target_linears
 from lowbit.quantize.grids.gguf_plan import GGUFTypes, linear_type, output_type
 
 
-def is_ignored(name: str, patterns: tuple[str, ...]) -> bool:
-    """Exact module name, a trailing component path (`lm_head`, `mlp.down_proj`), or `re:REGEX`."""
-    for p in patterns:
-        if p.startswith("re:"):
-            if re.fullmatch(p[3:], name):
-                return True
-        elif name == p or name.endswith("." + p):
-            return True
-    return False
+is_ignored = matches_name  # the recipe's ignore list: exact names, trailing paths, re:REGEX
 
 
 @dataclass

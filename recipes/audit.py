@@ -24,7 +24,7 @@ from lowbit.quantize.runtime.modules import is_quantized_linear
 from lowbit.quantize.grids.kv import KVCacheConfig
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.gguf import GGUFScheme
-from lowbit.quantize.grids.gguf_plan import SIXTEEN_BIT, GGUFTypes
+from lowbit.quantize.grids.gguf_plan import GGUFTypes, sixteen_bit_reason
 from lowbit.quantize.targets import gguf_types
 
 from .schema import Recipe, parse_recipe
@@ -65,7 +65,7 @@ def _per_linear(writes: LinearScheme, model: nn.Module, arch: Arch, targeted, ig
     out = {}
     for name, kind in gguf_types(model, arch, targeted, writes.weights).items():
         if kind is None:
-            ignored[name] = SIXTEEN_BIT
+            ignored[name] = sixteen_bit_reason(writes.weights, name)
         else:
             out[name] = LinearScheme(GGUFScheme(kind))
     return out

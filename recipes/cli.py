@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     recipes = sub.add_parser("recipes", help="list shipped recipes")
     recipes.set_defaults(handler=_cmd_recipes)
     _add_eval_commands(sub)
+    from .fit import add_parser as add_fit_parser
+
+    add_fit_parser(sub)
     return p
 
 

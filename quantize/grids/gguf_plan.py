@@ -11,17 +11,22 @@ lowbit's calibrated file and llama.cpp's own round-to-nearest file compare tenso
 - a row length the type's block does not divide falls back (Q4_K -> Q5_0, Q6_K -> Q8_0), and a
   row length 32 does not divide stays 16-bit (None here).
 `pure: true` skips the mixture rules (llama-quantize --pure): the base type everywhere.
+`types` sets chosen tensors' types outright (as llama-quantize's --tensor-type does), which is
+how a `lowbit fit` plan reaches a run: each linear's type, or f16 to keep it 16-bit.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
+from lowbit.calibrate.arch import matches_name
 from lowbit.quantize.grids.gguf import LAYOUTS, fallback_type
 
 BASE_TYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
              "q4_k_m": "q4_k", "q6_k": "q6_k"}  # no Q5_K here, so no q4_k_s or q5_k_m
 SIXTEEN_BIT = "rows not a multiple of 32 long: no GGML block fits, kept 16-bit (as llama.cpp does)"
+F16 = "f16"  # in `types`: the tensor stays 16-bit
+PLANNED_SIXTEEN_BIT = "kept 16-bit by the recipe's scheme.types (f16)"
 MORE_BITS_ROLES = ("attn_v", "ffn_down")  # the tensors q4_k_m gives Q6_K in some layers
 # a linear's last name part -> llama.cpp's tensor category (what its mixture rules key on)
 ROLES = {"v_proj": "attn_v", "down_proj": "ffn_down", "w2": "ffn_down", "fc2": "ffn_down",
@@ -34,10 +39,18 @@ class GGUFTypes:
 
     gguf: str = "q4_k_m"
     pure: bool = False  # the base type on every tensor (no Q6_K mixture, no output rule)
+    # module name, trailing path or re:REGEX -> a GGML type or f16; the first entry that matches
+    # a linear decides its type (before the file type's rules; rows a block does not divide fall
+    # back as llama.cpp's do)
+    types: dict[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if self.gguf not in BASE_TYPE:
             raise ValueError(f"gguf file type must be one of {sorted(BASE_TYPE)}, got {self.gguf!r}")
+        for pattern, kind in self.types.items():
+            if kind not in LAYOUTS and kind != F16:
+                raise ValueError(f"types[{pattern!r}]: {kind!r} is not a GGML type; valid: "
+                                 f"{', '.join(sorted(LAYOUTS))}, {F16}")
 
     @property
     def base(self) -> str:
@@ -45,6 +58,20 @@ class GGUFTypes:
 
     def describe(self) -> str:
         return f"gguf {self.gguf}{' pure' if self.pure else ''}"
+
+
+def planned_type(types: GGUFTypes, name: str) -> Optional[str]:
+    """The type `types.types` sets for linear `name` (a GGML type or f16), or None when no entry
+    matches it."""
+    for pattern, kind in types.types.items():
+        if matches_name(name, (pattern,)):
+            return kind
+    return None
+
+
+def sixteen_bit_reason(types: GGUFTypes, name: str) -> str:
+    """Why a linear with no GGML type stays 16-bit."""
+    return PLANNED_SIXTEEN_BIT if planned_type(types, name) == F16 else SIXTEEN_BIT
 
 
 def use_more_bits(index: int, count: int) -> bool:
@@ -58,6 +85,9 @@ def role_of(name: str) -> str:
 
 def linear_type(types: GGUFTypes, name: str, layer: int, layers: int, cols: int) -> Optional[str]:
     """The type of the decoder-layer linear `name` (in layer `layer` of `layers`, rows of `cols`)."""
+    planned = planned_type(types, name)
+    if planned is not None:
+        return None if planned == F16 else fallback_type(planned, cols)
     kind = types.base
     if not types.pure and types.gguf == "q4_k_m" and role_of(name) in MORE_BITS_ROLES and use_more_bits(layer, layers):
         kind = "q6_k"

@@ -10,7 +10,7 @@ import torch
 from lowbit.calibrate.arch import linear_weight
 from lowbit.calibrate.progress import Progress
 from lowbit.quantize.grids.gguf import GGUFScheme, quantize_gguf
-from lowbit.quantize.grids.gguf_plan import SIXTEEN_BIT, GGUFTypes
+from lowbit.quantize.grids.gguf_plan import GGUFTypes, sixteen_bit_reason
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.gptq_solver import gptq_solve_gguf
@@ -25,7 +25,7 @@ def planned_targets(ctx: StepContext, types: GGUFTypes) -> tuple[Targets, dict[s
     kinds = gguf_types(ctx.model, ctx.arch, targets.linears, types)
     for name, kind in kinds.items():
         if kind is None:
-            targets.ignored[name] = SIXTEEN_BIT
+            targets.ignored[name] = sixteen_bit_reason(types, name)
             del targets.linears[name]
     return targets, {n: GGUFScheme(k) for n, k in kinds.items() if k is not None}
 

@@ -1,0 +1,108 @@
+"""`lowbit fit`: measured sensitivities, cached; a plan within the budget; a recipe that runs it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from gguf import GGUFReader
+
+from tiny_models import save_tiny_llama
+from lowbit.recipes.cli import main
+from lowbit.recipes.fit import parse_size
+from lowbit.recipes.schema import load_recipe
+from lowbit.recipes.validate import RecipeError
+
+SMALL_FIT = ["--samples", "2", "--seq-len", "32"]
+SMALL_RUN = ["calibration.samples=2", "calibration.seq_len=32", "evaluate.baseline=false",
+             "evaluate.kl.enabled=false", "evaluate.memory.measure_peak=false",
+             "evaluate.perplexity.max_tokens=128", "evaluate.perplexity.context_len=64",
+             "evaluate.perplexity.stride=64"]
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # a folder of its own per session: the sensitivity cache is keyed by the model's path too
+    return str(save_tiny_llama(tmp_path_factory.mktemp("fit") / "tiny-llama", seed=3))
+
+
+def fit(capsys, model_dir, *args) -> dict:
+    assert main(["fit", model_dir, *SMALL_FIT, "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[0])
+
+
+def test_a_plan_fits_its_budget_and_a_second_budget_reuses_the_sensitivities(model_dir, capsys):
+    tight = fit(capsys, model_dir, "--budget-bits-per-weight", "5")
+    loose = fit(capsys, model_dir, "--budget-bits-per-weight", "7")
+    assert not tight["sensitivities_cached"] and loose["sensitivities_cached"]
+    assert tight["bits_per_weight"] <= 5 and loose["bits_per_weight"] <= 7
+    assert tight["plan_bytes"] <= tight["budget_bytes"]
+    assert loose["predicted_kl_sum"] < tight["predicted_kl_sum"]
+    assert len(tight["types"]) == 14 and set(tight["types"].values()) <= {"q4_0", "q4_k", "q5_0", "q6_k", "q8_0", "f16"}
+    everything = fit(capsys, model_dir, "--budget-bits-per-weight", "17")  # 16 + the solver's slack
+    assert everything["predicted_kl_sum"] == 0.0 and set(everything["types"].values()) == {"f16"}
+
+
+def test_the_written_recipe_quantizes_each_linear_to_its_planned_type(model_dir, tmp_path, capsys):
+    plan_file = tmp_path / "plan.yaml"
+    plan = fit(capsys, model_dir, "--budget-bits-per-weight", "5.5", "--write", str(plan_file))
+    out = tmp_path / "run"
+    assert main(["run", str(plan_file), "--output", str(out), *[f"--set={s}" for s in SMALL_RUN]]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["audit"]["passed"] and results["audit"]["checked"] == sum(
+        1 for k in plan["types"].values() if k != "f16")
+    written = {t.name: t.tensor_type.name.lower() for t in GGUFReader(out / "model.gguf").tensors}
+    for name, kind in plan["types"].items():
+        layer, short = name.split(".")[2], name.split(".", 3)[3]
+        expected = "f16" if kind == "f16" else kind
+        assert written[f"blk.{layer}.{GGUF_NAMES[short]}.weight"] in (expected, "bf16" if kind == "f16" else expected)
+
+
+def test_a_memory_budget_takes_the_kv_cache_off_first(model_dir, capsys):
+    # the tiny llama's tied 49152 x 128 embedding alone is 6.4 MiB at Q8_0: 9 MiB leaves the
+    # linears (0.56 MiB at f16, 0.16 at Q4_0) room for f16 at 64 tokens, little at 512
+    short = fit(capsys, model_dir, "--memory", "9MiB", "--context", "64")
+    longer = fit(capsys, model_dir, "--memory", "9MiB", "--context", "512")
+    assert short["memory_split"]["kv_cache_16bit"] == 2 * 2 * 64 * 64 * 2  # K+V x layers x kv width x tokens x 2 B
+    assert set(short["types"].values()) == {"f16"} and "f16" not in longer["types"].values()
+    assert longer["budget_bytes"] < short["budget_bytes"]
+    assert longer["predicted_kl_sum"] >= short["predicted_kl_sum"]
+    for plan in (short, longer):
+        split = plan["memory_split"]
+        assert plan["plan_bytes"] + split["kv_cache_16bit"] + split["workspace"] + split["other_weights"] <= 9 * 2**20
+
+
+def test_a_memory_budget_the_cache_alone_fills_says_what_took_it(model_dir, capsys):
+    code = main(["fit", model_dir, *SMALL_FIT, "--memory", "1MB", "--context", "4096"])
+    assert code == 2
+    assert "the 16-bit KV cache (2.0 MiB), workspace (16.2 MiB)" in capsys.readouterr().err
+
+
+def test_sizes_parse_in_both_units_and_bad_ones_say_what_is_valid():
+    assert parse_size("8GB") == 8 * 10**9 and parse_size("1.5 GiB") == 3 * 2**29
+    with pytest.raises(ValueError, match="such as 8GB"):
+        parse_size("8 gigs")
+
+
+def test_bad_candidate_types_are_refused(model_dir, capsys):
+    assert main(["fit", model_dir, "--budget-bits-per-weight", "5", "--types", "q4_0,q3_k"]) == 2
+    assert "q3_k; valid: q4_0, q4_1, q4_k, q5_0, q6_k, q8_0, f16" in capsys.readouterr().err
+
+
+def test_scheme_types_are_validated_and_f16_leaves_a_linear_float_with_the_reason(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("scheme: {gguf: q4_0, types: {o_proj: q3_k}}\nsteps: [rtn: {}]\n")
+    with pytest.raises(RecipeError, match="'q3_k' is not a GGML type"):
+        load_recipe(str(bad))
+    from lowbit.quantize.grids.gguf_plan import GGUFTypes, linear_type, sixteen_bit_reason
+
+    types = GGUFTypes("q4_0", types={"o_proj": "f16", "re:.*layers[.]1[.].*": "q8_0", "down_proj": "q6_k"})
+    assert linear_type(types, "model.layers.0.self_attn.o_proj", 0, 2, 128) is None
+    assert "scheme.types" in sixteen_bit_reason(types, "model.layers.0.self_attn.o_proj")
+    assert linear_type(types, "model.layers.1.mlp.down_proj", 1, 2, 256) == "q8_0"  # first match wins
+    assert linear_type(types, "model.layers.0.mlp.down_proj", 0, 2, 256) == "q6_k"
+    assert linear_type(types, "model.layers.0.mlp.down_proj", 0, 2, 128) == "q8_0"  # q6_k falls back
+    assert linear_type(types, "model.layers.0.mlp.up_proj", 0, 2, 128) == "q4_0"  # the file type's rule
