@@ -1,10 +1,13 @@
 """One format per linear under a byte budget, for the least summed loss: a multiple-choice
 knapsack, solved by dynamic programming over the budget in whole units of `unit` bytes.
 
-Every option's bytes are rounded up to whole units, so each plan returned fits the real budget.
-The plan is optimal for the rounded sizes, and against the real problem it is provably close: its
-loss is at most the least loss of any plan within budget - n * unit bytes (n linears), because
-such a plan still fits once its sizes are rounded up. With `cells` units in the budget the
+The DP counts each option by the bytes it takes beyond its linear's smallest option, over the
+budget left once every linear has its smallest (so the smallest plan is always found when it
+fits, a budget of exactly 4.5 bits per weight included). Those extra bytes are rounded up to
+whole units, so each plan returned fits the real budget. The plan is optimal for the rounded
+sizes, and against the real problem it is provably close: its loss is at most the least loss of
+any plan within budget - n * unit bytes (n linears), because such a plan still fits once its
+sizes are rounded up. With `cells` units in the budget the
 solve takes O(n * options * cells) steps and n * cells bytes of choice table (210 linears,
 6 options, 20000 cells: 25M steps, 4 MB).
 """
@@ -49,16 +52,17 @@ def allocate(options: dict[str, list[Option]], budget: int, cells: int = 20000) 
     if budget < floor:
         raise ValueError(f"a budget of {budget} bytes is below the smallest plan, {floor} bytes "
                          "(every linear at its smallest type)")
-    unit = max(1, math.ceil(budget / cells))
-    capacity = budget // unit
+    unit = max(1, math.ceil((budget - floor) / cells))
+    capacity = (budget - floor) // unit
     names = list(options)
+    base = {name: min(o.bytes for o in opts) for name, opts in options.items()}
     best = np.full(capacity + 1, np.inf)  # best[c]: least loss of the linears so far at exactly c units
     best[0] = 0.0
     picked = np.zeros((len(names), capacity + 1), dtype=np.int16)
     for i, name in enumerate(names):
         after = np.full(capacity + 1, np.inf)
         for j, option in enumerate(options[name]):
-            w = math.ceil(option.bytes / unit)
+            w = math.ceil((option.bytes - base[name]) / unit)
             if w > capacity:
                 continue
             candidate = np.full(capacity + 1, np.inf)
@@ -67,13 +71,10 @@ def allocate(options: dict[str, list[Option]], budget: int, cells: int = 20000) 
             after[better] = candidate[better]
             picked[i, better] = j
         best = after
-    if not np.isfinite(best).any():  # only when rounding up pushed the smallest plan past the budget
-        raise ValueError(f"a budget of {budget} bytes leaves no room once sizes are rounded up to "
-                         f"{unit}-byte units; raise it or the number of cells")
     cell = int(np.argmin(best))  # the first of equal losses: the fewest bytes
     choice = {}
     for i in range(len(names) - 1, -1, -1):
         option = options[names[i]][picked[i, cell]]
         choice[names[i]] = option
-        cell -= math.ceil(option.bytes / unit)
+        cell -= math.ceil((option.bytes - base[names[i]]) / unit)
     return Plan({n: choice[n] for n in names}, budget, unit)

@@ -62,3 +62,12 @@ def test_more_budget_never_costs_loss_and_ties_take_fewer_bytes():
     losses = [allocate(options, b).loss for b in range(200, 700, 25)]
     assert losses == sorted(losses, reverse=True)
     assert allocate(options, 600).loss == 0.0
+
+
+def test_a_budget_of_exactly_the_smallest_plan_gets_it_however_coarse_the_cells():
+    rng = random.Random(7)
+    options = random_options(rng, 40, 4)
+    floor = smallest_bytes(options)
+    plan = allocate(options, floor, cells=10)
+    assert plan.bytes == floor
+    assert all(o.bytes == min(x.bytes for x in options[n]) for n, o in plan.choice.items())
