@@ -21,6 +21,7 @@ from .config import EvaluateConfig
 from .memory import checkpoint_weight_bytes, model_weight_bytes
 from .peak_probe import Loadable
 from .perplexity import perplexity
+from .perplexity_streamed import streamed_perplexity
 from .results import Memory, ModelInfo, Quality, Results, plain
 from .suite import Reference, bnb_row, kv_bytes_per_element, memory_sections, quality_extras
 
@@ -72,8 +73,12 @@ def load_target(target: str | Path, trust_remote_code: bool, allow_pickle: bool)
 
 def baseline_perplexity(reference: Reference, tokenizer, cfg: EvaluateConfig) -> Optional[float]:
     """The reference's perplexity under the same protocol, from the cache (a run fills it before
-    quantizing, while its model is still the baseline) or measured on the reference."""
-    if not (cfg.baseline and reference.available):
+    quantizing, while its model is still the baseline) or measured on the reference: resident, or
+    streamed from its folder (the same figure, so the two share the cache)."""
+    if not cfg.baseline or not (reference.available or reference.stream_from):
         return None
-    measure = lambda: perplexity(reference.get(), tokenizer, cfg.perplexity)  # noqa: E731
+    if reference.available:
+        measure = lambda: perplexity(reference.get(), tokenizer, cfg.perplexity)  # noqa: E731
+    else:
+        measure = lambda: streamed_perplexity(reference.stream_from, tokenizer, cfg.perplexity)  # noqa: E731
     return cached_baseline(reference.name, cfg.perplexity, measure)["perplexity"]

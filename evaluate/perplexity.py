@@ -70,13 +70,23 @@ def perplexity(model, tokenizer, protocol: PerplexityProtocol) -> dict:
     spans = windows(len(ids), protocol)
     progress = Progress("perplexity", len(spans), "windows")
     for inputs, mask, labels in window_batches(ids, prefix, spans):
-        logits = model(input_ids=inputs.to(device), attention_mask=mask.to(device)).logits.float()
-        target = labels[:, 1:].to(device)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1),
-                               ignore_index=-100, reduction="sum")
-        nll += loss.item()
-        count += int((target != -100).sum())
+        logits = model(input_ids=inputs.to(device), attention_mask=mask.to(device)).logits
+        batch_nll, batch_count = scored_nll(logits, labels)
+        nll, count = nll + batch_nll, count + batch_count
         progress.advance(len(inputs))
+    return summary(nll, count, spans, prefix, protocol)
+
+
+def scored_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    """Summed next-token NLL of a batch of windows over its scored labels, and their count."""
+    logits = logits.float()
+    target = labels[:, 1:].to(logits.device)
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1),
+                           ignore_index=-100, reduction="sum")
+    return loss.item(), int((target != -100).sum())
+
+
+def summary(nll: float, count: int, spans: list, prefix: list[int], protocol: PerplexityProtocol) -> dict:
     return {
         "perplexity": math.exp(nll / count),
         "nll_per_token": nll / count,

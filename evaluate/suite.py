@@ -8,6 +8,8 @@ from typing import Callable, Optional
 
 import torch
 
+from lowbit.calibrate.streaming import ShardedWeights
+
 from .baseline import cached_baseline
 from .config import EvaluateConfig, MemoryConfig
 from .kl import kl_divergence
@@ -18,10 +20,15 @@ DEFAULT_KV_BYTES = 2.0  # a cache nothing quantizes: 16-bit keys and values
 
 class Reference:
     """The unquantized model named `name`, loaded on first use and held until dropped with the
-    Reference; `weight_bytes` (as a 16-bit checkpoint) is counted from it unless already known."""
+    Reference; `weight_bytes` (as a 16-bit checkpoint) is counted from it unless already known.
+    With `stream_from` (its folder) and no loader, the reference is never loaded: its baseline
+    perplexity is measured one decoder layer at a time and its bytes are read from the shards'
+    headers; what needs its logits or a resident copy (KL, speed, lm-eval) is left out."""
 
-    def __init__(self, name: Optional[str], load: Optional[Callable[[], object]], weight_bytes: Optional[int] = None):
+    def __init__(self, name: Optional[str], load: Optional[Callable[[], object]], weight_bytes: Optional[int] = None,
+                 stream_from: Optional[str] = None):
         self.name, self._load, self._model, self._weight_bytes = name, load, None, weight_bytes
+        self.stream_from = stream_from
 
     @property
     def available(self) -> bool:
@@ -35,6 +42,8 @@ class Reference:
     def weight_bytes(self) -> Optional[int]:
         if self._weight_bytes is None and self.available:
             self._weight_bytes = model_weight_bytes(self.get(), bytes_per_param=2)
+        elif self._weight_bytes is None and self.stream_from is not None:
+            self._weight_bytes = 2 * ShardedWeights(self.stream_from).numel()
         return self._weight_bytes
 
 

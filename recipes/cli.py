@@ -83,6 +83,10 @@ def _add_eval_commands(sub) -> None:
     ev.add_argument("--output", help="folder for results.json and the report (default runs/eval-<name>)")
     ev.add_argument("--set", action="append", default=[], metavar="evaluate.KEY=VALUE",
                     help="override an evaluate option, e.g. --set evaluate.speed.enabled=true")
+    ev.add_argument("--stream-baseline", action="store_true",
+                    help="never load the baseline model: measure its perplexity one decoder layer at a time "
+                         "from its safetensors shards (for a baseline larger than memory; KL, speed and "
+                         "lm-eval, which need it resident, leave it out)")
     ev.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
     ev.set_defaults(handler=cmd_eval)
     rep = sub.add_parser("report", help="compare runs: write report.html and report.md")

@@ -71,7 +71,10 @@ def cmd_eval(args) -> int:
     cfg = _evaluate_config(args.set)
     target = Path(args.target)
     name = args.baseline or (_recipe_model(target) if checkpoint.is_checkpoint(target) else None)
-    reference = Reference(name, name and (lambda: load_model(name, allow_pickle=args.allow_pickle)[0]))
+    if args.stream_baseline:
+        reference = Reference(name, None, stream_from=_stream_folder(name))
+    else:
+        reference = Reference(name, name and (lambda: load_model(name, allow_pickle=args.allow_pickle)[0]))
     results = evaluate(args.target, cfg, reference, allow_pickle=args.allow_pickle).to_dict()
     out = Path(args.output or f"runs/eval-{target.name or 'model'}")
     out.mkdir(parents=True, exist_ok=True)
@@ -81,6 +84,21 @@ def cmd_eval(args) -> int:
     print(f"perplexity  {ppl:.3f}" + (f" (baseline {base_ppl:.3f})" if base_ppl else ""))
     print(f"results     {out / 'results.json'}  report {out / 'report.html'}")
     return 0
+
+
+def _stream_folder(name) -> str:
+    """The local folder a streamed baseline is read from (a built-in model's cache folder)."""
+    from lowbit.calibrate.models import resolve_model_path
+
+    if not name:
+        raise RecipeError("--stream-baseline", "", "names no baseline: give --baseline MODEL_FOLDER "
+                          "(or evaluate a checkpoint whose recipe names its model)")
+    folder = Path(resolve_model_path(name))
+    if not folder.is_dir():
+        raise RecipeError("--stream-baseline", name, "streaming reads safetensors shards from a local "
+                          "folder; download the model first (e.g. `hf download "
+                          f"{name} --local-dir DIR`) and pass --baseline DIR")
+    return str(folder)
 
 
 def _recipe_model(folder: Path):

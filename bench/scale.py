@@ -1,0 +1,129 @@
+"""How memory and time grow with the model: random Llama models of real widths, resident against streamed.
+
+    python bench/scale.py                       # Llama-3-8B widths, 2 and 4 decoder layers
+    python bench/scale.py --layers 2 4 8 --tokens 1024 --json
+
+Each model (random weights, std 0.02, 128k vocabulary, untied head, the smollm2 tokenizer) is written
+once as bf16 safetensors shards under the lowbit cache (bench-models/). Each measurement runs in a
+fresh process, so its peak RSS is its own: the perplexity protocol on `--tokens` tokens of the wiki
+text in 512-token windows, resident (the whole model loaded in float32) and streamed (one decoder
+layer at a time, evaluate/perplexity_streamed.py). Both must give the same figure; the peak of the
+streamed one should not grow with the number of layers, the resident one's grows by a layer's size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LLAMA3_8B = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
+
+
+def model_folder(layers: int, widths: dict) -> Path:
+    from lowbit.calibrate.cache import cache_dir
+
+    name = "llama-{hidden}-{intermediate}-{heads}h{kv_heads}kv-{vocab}v".format(**widths) + f"-{layers}l"
+    return cache_dir("bench-models") / name
+
+
+def build_model(folder: Path, layers: int, widths: dict) -> Path:
+    """Write the random model once (bf16 shards, tokenizer); a finished folder is reused."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from lowbit.calibrate.models import resolve_model_path
+
+    if (folder / "model.safetensors.index.json").is_file():
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
+    config = LlamaConfig(hidden_size=widths["hidden"], intermediate_size=widths["intermediate"],
+                         num_hidden_layers=layers, num_attention_heads=widths["heads"],
+                         num_key_value_heads=widths["kv_heads"], vocab_size=widths["vocab"],
+                         max_position_embeddings=8192, tie_word_embeddings=False, initializer_range=0.02,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    staging = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(staging, max_shard_size="2GB")
+    tokenizer.save_pretrained(staging)
+    staging.rename(folder)  # whole or absent
+    return folder
+
+
+def measure(mode: str, folder: Path, tokens: int) -> dict:
+    """In this process: perplexity resident or streamed, its seconds and this process's peak RSS."""
+    from transformers import AutoTokenizer
+
+    from lowbit.calibrate.models import load_model
+    from lowbit.evaluate.config import PerplexityProtocol
+    from lowbit.evaluate.perplexity import perplexity
+    from lowbit.evaluate.perplexity_streamed import streamed_perplexity
+
+    protocol = PerplexityProtocol(max_tokens=tokens)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    start = time.perf_counter()
+    if mode == "resident":
+        result = perplexity(load_model(str(folder))[0], tokenizer, protocol)
+    else:
+        result = streamed_perplexity(folder, tokenizer, protocol)
+    return {"mode": mode, "nll_per_token": result["nll_per_token"], "seconds": time.perf_counter() - start,
+            "peak_rss_gib": peak_rss_bytes() / 2**30}
+
+
+def peak_rss_bytes() -> int:
+    """This process's own high-water RSS. Not getrusage's ru_maxrss: Linux carries the parent's
+    high-water mark into a child across fork and exec, so a child of a big parent reads high."""
+    from lowbit.evaluate.memory import proc_status_bytes
+
+    try:
+        return proc_status_bytes("VmHWM")
+    except (OSError, ValueError):  # no /proc: macOS, whose ru_maxrss is in bytes
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def in_fresh_process(mode: str, folder: Path, tokens: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", mode, str(folder), str(tokens)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode} on {folder} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def weight_gib(folder: Path, bytes_per_param: int) -> float:
+    from lowbit.calibrate.streaming import ShardedWeights
+
+    return ShardedWeights(folder).numel() * bytes_per_param / 2**30
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--tokens", type=int, default=1024, help="evaluation tokens (512-token windows)")
+    parser.add_argument("--modes", nargs="+", default=["resident", "streamed"], choices=["resident", "streamed"])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--child", nargs=3, metavar=("MODE", "FOLDER", "TOKENS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child[0], Path(args.child[1]), int(args.child[2]))))
+        return
+    rows = []
+    for layers in args.layers:
+        folder = build_model(model_folder(layers, LLAMA3_8B), layers, LLAMA3_8B)
+        for mode in args.modes:
+            row = {"layers": layers, "float32_weights_gib": weight_gib(folder, 4),
+                   **in_fresh_process(mode, folder, args.tokens)}
+            rows.append(row)
+            print(f"{layers:2d} layers  {row['float32_weights_gib']:6.2f} GiB float32  {mode:<9} "
+                  f"peak RSS {row['peak_rss_gib']:6.2f} GiB  {row['seconds']:7.1f} s  nll {row['nll_per_token']:.6f}",
+                  flush=True)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()

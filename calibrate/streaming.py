@@ -1,0 +1,178 @@
+"""Models that are never resident: a skeleton without weights, and each module's tensors read from
+the safetensors shards when the walk reaches it, dropped when it moves on.
+
+`empty_model` builds the model from its config with every parameter on the meta device (buffers,
+such as rotary tables, are computed as usual: they are small and not stored in checkpoints).
+`ShardedWeights` maps tensor names to the shard that holds them (model.safetensors, or the
+shards an index lists) and reads one tensor at a time, memory-mapped, in the dtype asked.
+`materialize(module, prefix, weights)` gives a module its tensors; `release(module)` puts them
+back on meta. Tied parameters (a tied LM head is the token embedding) follow: every name a
+parameter has in the model is bound to the one tensor read for it.
+
+Memory: one decoder layer in the compute dtype (Llama-3-8B: 218M parameters, 0.87 GB in
+float32, 0.44 GB in bf16) plus what the caller keeps between layers, instead of the whole model
+(8B: 32 GB in float32).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class ShardedWeights:
+    """The tensors of a safetensors checkpoint folder, read on demand."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.shard_of = self._tensor_shards()
+
+    def _tensor_shards(self) -> dict[str, str]:
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            return dict(json.loads(index.read_text())["weight_map"])
+        single = self.folder / SINGLE_FILE
+        if not single.is_file():
+            raise FileNotFoundError(f"{self.folder}: streaming reads safetensors weights, and there is "
+                                    f"neither {SINGLE_FILE} nor {INDEX_FILE}")
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as handle:
+            return {name: SINGLE_FILE for name in handle.keys()}
+
+    def numel(self) -> int:
+        """Elements of all tensors, from the shards' headers (nothing is read)."""
+        from safetensors import safe_open
+
+        total = 0
+        for shard in sorted(set(self.shard_of.values())):
+            with safe_open(str(self.folder / shard), framework="pt") as handle:
+                for name in handle.keys():
+                    total += math.prod(handle.get_slice(name).get_shape())
+        return total
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shard_of
+
+    def load(self, names: list[str], dtype: Optional[torch.dtype] = None, device=None) -> dict[str, torch.Tensor]:
+        """The named tensors, each shard opened once and closed after: a mapping kept open would
+        keep every page read so far in this process's resident memory."""
+        from safetensors import safe_open
+
+        missing = [n for n in names if n not in self.shard_of]
+        if missing:
+            raise KeyError(f"{self.folder}: no tensor {missing[0]!r} in its safetensors files "
+                           f"({len(self.shard_of)} tensors, e.g. {next(iter(self.shard_of), '-')!r})")
+        by_shard: dict[str, list[str]] = {}
+        for name in names:
+            by_shard.setdefault(self.shard_of[name], []).append(name)
+        tensors = {}
+        for shard, members in by_shard.items():
+            with safe_open(str(self.folder / shard), framework="pt") as handle:
+                for name in members:
+                    tensors[name] = _cast(handle.get_tensor(name), dtype, device)
+        return tensors
+
+
+def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype], device) -> torch.Tensor:
+    if dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(dtype)
+    return tensor if device is None else tensor.to(device)
+
+
+def empty_model(path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
+    """The causal LM of the folder's config with its parameters on the meta device."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    model.tie_weights()  # not done on meta parameters; the streamed model must share them as loaded
+    return model.eval()
+
+
+def buffers_to(model: nn.Module, device) -> None:
+    """Move the skeleton's buffers (rotary tables and the like, computed, never streamed) to device."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+
+
+def parameter_names(model: nn.Module, module: nn.Module, prefix: str) -> dict[str, list[str]]:
+    """For each parameter of `module` (named relative to it): every full name the model gives that
+    parameter object; the first is prefix + the relative name, the others are ties."""
+    aliases: dict[int, list[str]] = {}
+    for full, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(full)
+    names = {}
+    for rel, param in module.named_parameters(remove_duplicate=False):
+        own = f"{prefix}.{rel}" if prefix else rel
+        names[rel] = [own] + [n for n in aliases.get(id(param), []) if n != own]
+    return names
+
+
+def materialize(model: nn.Module, module: nn.Module, prefix: str, weights: ShardedWeights,
+                dtype: torch.dtype, device=None) -> None:
+    """Read `module`'s parameters (it sits at `prefix` in `model`) from `weights` onto `device`.
+    A parameter stored under none of its names (a tied head saved once) is an error that names it."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    wanted: dict[int, tuple[nn.Parameter, str]] = {}  # id(meta parameter) -> (it, the name it is stored as)
+    for names in parameter_names(model, module, prefix).values():
+        param = _get(model, names[0])
+        if param.is_meta and id(param) not in wanted:  # not resident already through a tie
+            stored = next((n for n in names if n in weights), None)
+            if stored is None:
+                raise KeyError(f"{weights.folder}: parameter {names[0]} (tied as {names[1:]}) is in none of "
+                               f"its safetensors files")
+            wanted[id(param)] = (param, stored)
+    tensors = weights.load([stored for _, stored in wanted.values()], dtype, device)
+    _replace(model, {key: (param, nn.Parameter(tensors[stored], requires_grad=False))
+                     for key, (param, stored) in wanted.items()})
+
+
+def release(model: nn.Module, module: nn.Module) -> None:
+    """Put `module`'s parameters back on the meta device (and every tie of them)."""
+    _replace(model, {id(p): (p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False))
+                     for p in module.parameters()})
+
+
+def _replace(model: nn.Module, replaced: dict[int, tuple[nn.Parameter, nn.Parameter]]) -> None:
+    """Swap each old parameter for its new one under every name the model gives it, so ties hold.
+    The old parameters are held by `replaced`, so no new object can have taken one of their ids."""
+    for full, param in list(model.named_parameters(remove_duplicate=False)):
+        old_new = replaced.get(id(param))
+        if old_new is not None and old_new[0] is param:
+            owner, leaf = _owner(model, full)
+            owner._parameters[leaf] = old_new[1]
+
+
+def _get(model: nn.Module, dotted: str) -> nn.Parameter:
+    owner, leaf = _owner(model, dotted)
+    return owner._parameters[leaf]
+
+
+def _owner(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    path, _, leaf = dotted.rpartition(".")
+    return (root.get_submodule(path) if path else root), leaf
+
+
+def outer_modules(model: nn.Module, layers_path: str) -> list[tuple[str, nn.Module]]:
+    """The modules outside the decoder layers that hold parameters directly (embeddings, final
+    norm, LM head, ...), with their names."""
+    inside = layers_path + "."
+    return [(name, module) for name, module in model.named_modules()
+            if not name.startswith(inside) and name != layers_path
+            and any(True for _ in module.named_parameters(recurse=False))]
+
+
+def is_resident(module: nn.Module) -> bool:
+    return any(not p.is_meta for p in module.parameters())

@@ -1,0 +1,105 @@
+"""Perplexity of a model that does not fit in memory: every window passes one decoder layer at a
+time, each layer read from the safetensors shards and dropped after (calibrate/streaming.py).
+
+Same protocol, same windows, same batches of WINDOWS_PER_BATCH and the same kernels as the resident
+`perplexity`, so the figure is the same (the tests compare them); only the order of work changes:
+all batches through layer 0, then all through layer 1, and so on.
+
+Memory, with T tokens evaluated (max_tokens, plus a BOS per window), hidden size d, b bytes per
+value of the compute dtype: the hidden states of every window, T·d·b (Llama-3-8B, 16384 tokens,
+float32: 0.27 GB), one decoder layer's weights (8B: 0.87 GB in float32), and, while the windows
+enter the layers, the token embedding, while they leave, the final norm and LM head with one
+batch's logits twice over (logits and their log-softmax, WINDOWS_PER_BATCH x context_len x vocab
+x 4 bytes each). Llama-3-8B: one 128k x 4096 matrix, 2.1 GB in float32, and 2 x 1.05 GB of logits
+at 512-token windows, whatever the depth; resident, the whole model, 32 GB in float32, plus the
+logits. Time: each layer's weights are read once.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from lowbit.calibrate.arch import arch_for, decoder_layers
+from lowbit.calibrate.progress import Progress
+from lowbit.calibrate.streaming import ShardedWeights, buffers_to, empty_model, materialize, outer_modules, release
+from lowbit.calibrate.walker import LayerInputs, capture_first_layer_inputs, layer_forward, pass_through
+
+from .config import PerplexityProtocol
+from .perplexity import bos_id, eval_tokens, scored_nll, summary, window_batches, windows
+
+
+@torch.no_grad()
+def streamed_perplexity(path, tokenizer, protocol: PerplexityProtocol, device=None,
+                        dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> dict:
+    """`perplexity` of the model in folder `path` without ever holding more than one decoder layer."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    model = empty_model(path, dtype, trust_remote_code)
+    buffers_to(model, device)
+    weights = ShardedWeights(path)
+    arch = arch_for(model)
+    ids = eval_tokens(tokenizer, protocol)
+    prefix = [bos_id(tokenizer)] if protocol.bos else []
+    spans = windows(len(ids), protocol)
+    batches = list(window_batches(ids, prefix, spans))
+    outer = outer_modules(model, arch.layers)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    with resident(model, [(n, m) for n, m in outer if m is not head], weights, dtype, device):
+        inputs = capture(model, arch, batches, device)
+    layers = decoder_layers(model, arch)
+    progress = Progress("perplexity (streamed)", len(layers), "layers")
+    for index, layer in enumerate(layers):
+        materialize(model, layer, f"{arch.layers}.{index}", weights, dtype, device)
+        inputs.use_layer(index)
+        inputs.hidden = layer_forward(layer, inputs, device)
+        release(model, layer)
+        progress.step()
+    nll, count = 0.0, 0
+    with resident(model, [(n, m) for n, m in outer if m is not embedding], weights, dtype, device):
+        for hidden, (_, mask, labels) in zip(inputs.hidden, batches):
+            batch_nll, batch_count = scored_nll(head_logits(model, layers, hidden, mask, device), labels)
+            nll, count = nll + batch_nll, count + batch_count
+    return summary(nll, count, spans, prefix, protocol)
+
+
+@contextmanager
+def resident(model, modules, weights: ShardedWeights, dtype, device):
+    """The given (name, module) pairs hold their weights inside the block, and not after it."""
+    for name, module in modules:
+        materialize(model, module, name, weights, dtype, device)
+    try:
+        yield
+    finally:
+        for _, module in modules:
+            release(model, module)
+
+
+def capture(model, arch, batches, device) -> LayerInputs:
+    """What the model hands decoder layer 0 (and each layer's kwargs), one micro-batch per batch of
+    windows (batches may differ in width, so each is captured on its own)."""
+    merged = None
+    for window_ids, mask, _ in batches:
+        one = capture_first_layer_inputs(model, arch, window_ids, micro_batch=len(window_ids),
+                                         attention_mask=mask, device=device)
+        if merged is None:
+            merged = one
+            continue
+        merged.hidden += one.hidden
+        merged.token_mask += one.token_mask
+        for kept, new in zip(merged.layer_kwargs, one.layer_kwargs):
+            kept += new
+    return merged
+
+
+def head_logits(model, layers, hidden, mask, device) -> torch.Tensor:
+    """The model's own forward from the last layer's outputs on (final norm, LM head, any logit
+    soft-capping): the first layer hands back `hidden`, every other one passes it on. The token
+    embedding is not needed: zeros of its shape stand in for it, as the layers ignore them."""
+    layers[0].forward = lambda *args, **kwargs: hidden
+    for layer in layers[1:]:
+        layer.forward = pass_through
+    try:
+        return model(inputs_embeds=torch.zeros_like(hidden), attention_mask=mask.to(device), use_cache=False).logits
+    finally:
+        for layer in layers:
+            del layer.forward

@@ -1,0 +1,77 @@
+"""Streaming a model from its safetensors shards: the skeleton, loading and freeing modules, ties."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lowbit.calibrate.streaming import (ShardedWeights, empty_model, is_resident, materialize,
+                                        outer_modules, release)
+from streaming_models import save_sharded_tiny
+
+
+@pytest.fixture(scope="module")
+def tied_folder(tmp_path_factory):
+    from lowbit.calibrate.models import resolve_model_path
+
+    return save_sharded_tiny(tmp_path_factory.mktemp("opt"), "opt", resolve_model_path("smollm2-135m"))
+
+
+def all_tensors(folder):
+    out = {}
+    for shard in set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()):
+        out.update(load_file(str(folder / shard)))
+    return out
+
+
+def test_skeleton_has_no_weights_and_keeps_ties(tied_folder):
+    model = empty_model(tied_folder)
+    assert all(p.is_meta for p in model.parameters())
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert not any(b.is_meta for b in model.buffers())  # rotary/position tables are computed
+
+
+def test_layer_loads_the_stored_tensors_and_frees_them(tied_folder):
+    model, weights, stored = empty_model(tied_folder), ShardedWeights(tied_folder), all_tensors(tied_folder)
+    layer = model.model.decoder.layers[1]
+    materialize(model, layer, "model.decoder.layers.1", weights, torch.float32)
+    for name, param in layer.named_parameters():
+        assert torch.equal(param, stored[f"model.decoder.layers.1.{name}"]), name
+    assert not is_resident(model.model.decoder.layers[0])
+    release(model, layer)
+    assert not is_resident(layer)
+
+
+def test_tied_head_follows_the_embedding(tied_folder):
+    model, weights = empty_model(tied_folder), ShardedWeights(tied_folder)
+    assert "lm_head.weight" not in weights  # saved once, under the embedding's name
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    materialize(model, head, "lm_head", weights, torch.float32)  # found through its tie
+    assert head.weight is embedding.weight and not head.weight.is_meta
+    release(model, embedding)
+    assert head.weight is embedding.weight and head.weight.is_meta
+
+
+def test_outer_modules_are_everything_but_the_layers(tied_folder):
+    model = empty_model(tied_folder)
+    names = [name for name, _ in outer_modules(model, "model.decoder.layers")]
+    assert "model.decoder.embed_tokens" in names and "model.decoder.final_layer_norm" in names
+    assert not any(n.startswith("model.decoder.layers") for n in names)
+
+
+def test_numel_reads_headers(tied_folder):
+    assert ShardedWeights(tied_folder).numel() == sum(t.numel() for t in all_tensors(tied_folder).values())
+
+
+def test_missing_weights_are_named(tied_folder, tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        ShardedWeights(tmp_path)
+    weights = ShardedWeights(tied_folder)
+    with pytest.raises(KeyError, match="model.decoder.layers.9.fc1.weight"):
+        weights.load(["model.decoder.layers.9.fc1.weight"])
+    model = empty_model(tied_folder)
+    del weights.shard_of["model.decoder.layers.0.fc1.weight"]  # as if a shard lacked it
+    with pytest.raises(KeyError, match="model.decoder.layers.0.fc1.weight"):
+        materialize(model, model.model.decoder.layers[0], "model.decoder.layers.0", weights, torch.float32)
