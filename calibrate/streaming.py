@@ -4,7 +4,8 @@ the safetensors shards when the walk reaches it, dropped when it moves on.
 `empty_model` builds the model from its config with every parameter on the meta device (buffers,
 such as rotary tables, are computed as usual: they are small and not stored in checkpoints).
 `ShardedWeights` maps tensor names to the shard that holds them (model.safetensors, or the
-shards an index lists) and reads one tensor at a time, memory-mapped, in the dtype asked.
+shards an index lists) and reads the tensors a module needs in the dtype asked, each shard
+opened only while they are read (safetensors only: nothing is unpickled).
 `materialize(module, prefix, weights)` gives a module its tensors; `release(module)` puts them
 back on meta. Tied parameters (a tied LM head is the token embedding) follow: every name a
 parameter has in the model is bound to the one tensor read for it.
