@@ -30,7 +30,7 @@ def check_model_folder(name: str, allow_pickle: bool = False) -> None:
         return  # a hub id: transformers fetches it (use_safetensors refuses pickle there)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder / 'config.json'}: missing; a model folder needs its config.json")
-    shards = _safetensors_files(folder)
+    shards = safetensors_files(folder)
     if shards:
         for path in shards:
             _check_safetensors(path)
@@ -46,7 +46,9 @@ def check_model_folder(name: str, allow_pickle: bool = False) -> None:
                             f"and never unpickles weights unless asked; {hint}")
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
+def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's safetensors weight files: the shards its index lists (each checked to exist),
+    else every *.safetensors file."""
     index = folder / SAFE_INDEX
     if not index.is_file():
         return sorted(folder.glob("*.safetensors"))

@@ -24,8 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from .checks import SAFE_INDEX, safetensors_files
 
 
 class ShardedWeights:
@@ -36,17 +35,21 @@ class ShardedWeights:
         self.shard_of = self._tensor_shards()
 
     def _tensor_shards(self) -> dict[str, str]:
-        index = self.folder / INDEX_FILE
-        if index.is_file():
-            return dict(json.loads(index.read_text())["weight_map"])
-        single = self.folder / SINGLE_FILE
-        if not single.is_file():
-            raise FileNotFoundError(f"{self.folder}: streaming reads safetensors weights, and there is "
-                                    f"neither {SINGLE_FILE} nor {INDEX_FILE}")
+        """Tensor name -> file, from the index where there is one, else from each file's header."""
         from safetensors import safe_open
 
-        with safe_open(str(single), framework="pt") as handle:
-            return {name: SINGLE_FILE for name in handle.keys()}
+        files = safetensors_files(self.folder)  # an index's shards, each checked to exist
+        if not files:
+            raise FileNotFoundError(f"{self.folder}: streaming reads safetensors weights, and there is "
+                                    f"neither model.safetensors nor {SAFE_INDEX}")
+        index = self.folder / SAFE_INDEX
+        if index.is_file():
+            return dict(json.loads(index.read_text())["weight_map"])
+        shard_of = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as handle:
+                shard_of.update({name: path.name for name in handle.keys()})
+        return shard_of
 
     def numel(self) -> int:
         """Elements of all tensors, from the shards' headers (nothing is read)."""
@@ -108,17 +111,17 @@ def buffers_to(model: nn.Module, device) -> None:
                 module._buffers[name] = buffer.to(device)
 
 
-def parameter_names(model: nn.Module, module: nn.Module, prefix: str) -> dict[str, list[str]]:
-    """For each parameter of `module` (named relative to it): every full name the model gives that
-    parameter object; the first is prefix + the relative name, the others are ties."""
+def parameter_names(model: nn.Module, module: nn.Module, prefix: str) -> list[tuple[nn.Parameter, list[str]]]:
+    """Each parameter of `module` with every full name the model gives that parameter object; the
+    first is prefix + its name in `module`, the others are ties."""
     aliases: dict[int, list[str]] = {}
     for full, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(full)
-    names = {}
+    named = []
     for rel, param in module.named_parameters(remove_duplicate=False):
         own = f"{prefix}.{rel}" if prefix else rel
-        names[rel] = [own] + [n for n in aliases.get(id(param), []) if n != own]
-    return names
+        named.append((param, [own] + [n for n in aliases.get(id(param), []) if n != own]))
+    return named
 
 
 def materialize(model: nn.Module, module: nn.Module, prefix: str, weights: ShardedWeights,
@@ -127,8 +130,7 @@ def materialize(model: nn.Module, module: nn.Module, prefix: str, weights: Shard
     A parameter stored under none of its names (a tied head saved once) is an error that names it."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     wanted: dict[int, tuple[nn.Parameter, str]] = {}  # id(meta parameter) -> (it, the name it is stored as)
-    for names in parameter_names(model, module, prefix).values():
-        param = _get(model, names[0])
+    for param, names in parameter_names(model, module, prefix):
         if param.is_meta and id(param) not in wanted:  # not resident already through a tie
             stored = next((n for n in names if n in weights), None)
             if stored is None:
@@ -154,11 +156,6 @@ def _replace(model: nn.Module, replaced: dict[int, tuple[nn.Parameter, nn.Parame
         if old_new is not None and old_new[0] is param:
             owner, leaf = _owner(model, full)
             owner._parameters[leaf] = old_new[1]
-
-
-def _get(model: nn.Module, dotted: str) -> nn.Parameter:
-    owner, leaf = _owner(model, dotted)
-    return owner._parameters[leaf]
 
 
 def _owner(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:

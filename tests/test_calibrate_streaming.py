@@ -1,14 +1,12 @@
 """Streaming a model from its safetensors shards: the skeleton, loading and freeing modules, ties."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from lowbit.calibrate.streaming import (ShardedWeights, empty_model, is_resident, materialize,
                                         outer_modules, release)
+from lowbit.export.formats.hf_folder import read_safetensors
 from streaming_models import save_sharded_tiny
 
 
@@ -19,13 +17,6 @@ def tied_folder(tmp_path_factory):
     return save_sharded_tiny(tmp_path_factory.mktemp("opt"), "opt", resolve_model_path("smollm2-135m"))
 
 
-def all_tensors(folder):
-    out = {}
-    for shard in set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()):
-        out.update(load_file(str(folder / shard)))
-    return out
-
-
 def test_skeleton_has_no_weights_and_keeps_ties(tied_folder):
     model = empty_model(tied_folder)
     assert all(p.is_meta for p in model.parameters())
@@ -34,7 +25,7 @@ def test_skeleton_has_no_weights_and_keeps_ties(tied_folder):
 
 
 def test_layer_loads_the_stored_tensors_and_frees_them(tied_folder):
-    model, weights, stored = empty_model(tied_folder), ShardedWeights(tied_folder), all_tensors(tied_folder)
+    model, weights, stored = empty_model(tied_folder), ShardedWeights(tied_folder), read_safetensors(tied_folder)
     layer = model.model.decoder.layers[1]
     materialize(model, layer, "model.decoder.layers.1", weights, torch.float32)
     for name, param in layer.named_parameters():
@@ -62,7 +53,7 @@ def test_outer_modules_are_everything_but_the_layers(tied_folder):
 
 
 def test_numel_reads_headers(tied_folder):
-    assert ShardedWeights(tied_folder).numel() == sum(t.numel() for t in all_tensors(tied_folder).values())
+    assert ShardedWeights(tied_folder).numel() == sum(t.numel() for t in read_safetensors(tied_folder).values())
 
 
 def test_missing_weights_are_named(tied_folder, tmp_path):
@@ -71,7 +62,24 @@ def test_missing_weights_are_named(tied_folder, tmp_path):
     weights = ShardedWeights(tied_folder)
     with pytest.raises(KeyError, match="model.decoder.layers.9.fc1.weight"):
         weights.load(["model.decoder.layers.9.fc1.weight"])
-    model = empty_model(tied_folder)
-    del weights.shard_of["model.decoder.layers.0.fc1.weight"]  # as if a shard lacked it
+
+
+def test_a_folder_missing_a_shard_or_a_tensor_is_named(tied_folder, tmp_path):
+    """Real damage to a copy of the folder: a shard deleted, an index that lost a tensor."""
+    import json
+    import shutil
+
+    index_name = "model.safetensors.index.json"
+    no_shard = shutil.copytree(tied_folder, tmp_path / "no-shard")
+    shard = sorted(set(json.loads((no_shard / index_name).read_text())["weight_map"].values()))[-1]
+    (no_shard / shard).unlink()
+    with pytest.raises(FileNotFoundError, match=shard):
+        ShardedWeights(no_shard)
+    no_tensor = shutil.copytree(tied_folder, tmp_path / "no-tensor")
+    index = json.loads((no_tensor / index_name).read_text())
+    del index["weight_map"]["model.decoder.layers.0.fc1.weight"]
+    (no_tensor / index_name).write_text(json.dumps(index))
+    model = empty_model(no_tensor)
     with pytest.raises(KeyError, match="model.decoder.layers.0.fc1.weight"):
-        materialize(model, model.model.decoder.layers[0], "model.decoder.layers.0", weights, torch.float32)
+        materialize(model, model.model.decoder.layers[0], "model.decoder.layers.0", ShardedWeights(no_tensor),
+                    torch.float32)
