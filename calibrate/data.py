@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -20,8 +20,17 @@ class CalibrationConfig:
     split: str = "train"  # `datasets` only
     dataset_config: Optional[str] = None  # `datasets` only
     text_column: str = "text"  # .jsonl and `datasets`
+    # where the layer forwards and statistics run: auto (a GPU when there is one), cpu, cuda, cuda:N;
+    # the model waits on the CPU (or on disk, streamed) and each layer moves there in turn
+    device: str = "auto"
+    # true: the model is never resident, each decoder layer is read from its safetensors shards when
+    # reached and written out when done; auto: only when it would not fit in memory in float32
+    streaming: Literal["auto", True, False] = "auto"
 
     def __post_init__(self):
+        from .hardware import check_device_name
+
+        check_device_name(self.device, "calibration.device")
         if self.samples < 1 or self.seq_len < 2:
             raise ValueError(f"calibration needs samples >= 1 and seq_len >= 2, got samples {self.samples} "
                              f"and seq_len {self.seq_len}")

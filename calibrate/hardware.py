@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,3 +139,38 @@ def _cached(values: tuple[str, ...]) -> CpuInfo:
 def cpu_info() -> CpuInfo:
     """This CPU as the environment says to treat it (re-read when the variables change)."""
     return _cached(tuple(os.environ.get(name, "") for name in ENV_NAMES))
+
+
+def available_memory_bytes() -> int | None:
+    """What the kernel says can be allocated without swapping (MemAvailable), or None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_device_name(name: str, key: str) -> None:
+    if not isinstance(name, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        raise ValueError(f"{key} must be auto, cpu, cuda or cuda:N, got {name!r}")
+
+
+def resolve_device(name: str, key: str = "calibration.device"):
+    """The torch device `name` stands for here: auto is the first GPU where torch sees one, else
+    the CPU; a GPU asked for that is not there is an error naming the key."""
+    import torch
+
+    check_device_name(name, key)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ValueError(f"{key} is {name!r}, but torch sees {count} CUDA device(s) here"
+                             f"{'' if count else ' (a CPU-only torch build, or no GPU)'}; valid: auto, cpu"
+                             + "".join(f", cuda:{i}" for i in range(count)))
+    return device

@@ -99,7 +99,7 @@ def load_model(name: str, dtype: torch.dtype = DEFAULT_DTYPE, trust_remote_code:
     start = time.perf_counter()
     path = resolve_model_path(name)
     check_model_folder(path, allow_pickle)
-    tokenizer = _load_tokenizer(path, trust_remote_code)
+    tokenizer = load_tokenizer(path, trust_remote_code)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -112,7 +112,7 @@ def load_model(name: str, dtype: torch.dtype = DEFAULT_DTYPE, trust_remote_code:
     return model, tokenizer, time.perf_counter() - start
 
 
-def _load_tokenizer(path: str, trust_remote_code: bool):
+def load_tokenizer(path: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
     try:

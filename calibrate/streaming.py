@@ -100,14 +100,19 @@ def empty_model(path: str | Path, dtype: torch.dtype = torch.float32, trust_remo
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # not done on meta parameters; the streamed model must share them as loaded
+    if (Path(path) / "generation_config.json").is_file():  # from_pretrained reads it; from_config does not
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval()
 
 
 def buffers_to(model: nn.Module, device) -> None:
-    """Move the skeleton's buffers (rotary tables and the like, computed, never streamed) to device."""
+    """Move the skeleton's buffers (rotary tables and the like, computed, never streamed) to device;
+    those of released modules (on meta) stay there."""
     for module in model.modules():
         for name, buffer in module._buffers.items():
-            if buffer is not None:
+            if buffer is not None and not buffer.is_meta:
                 module._buffers[name] = buffer.to(device)
 
 
@@ -146,6 +151,16 @@ def release(model: nn.Module, module: nn.Module) -> None:
     """Put `module`'s parameters back on the meta device (and every tie of them)."""
     _replace(model, {id(p): (p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False))
                      for p in module.parameters()})
+
+
+def release_all(model: nn.Module, module: nn.Module) -> None:
+    """Put `module`'s parameters and persistent buffers (a quantized linear's codes and scales)
+    on the meta device; the modules stay, so the skeleton keeps the structure a run left."""
+    release(model, module)
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                sub._buffers[name] = buffer.to("meta")
 
 
 def _replace(model: nn.Module, replaced: dict[int, tuple[nn.Parameter, nn.Parameter]]) -> None:

@@ -25,7 +25,9 @@ micro-batch, on top of the 540 MB model.
 
 With `forward_dtype` the layer forwards run under autocast (bf16 matmuls; hidden states between
 layers keep their dtype). With a `store` (LayerStore) every finished layer is checkpointed and a
-resumed walk restores the layers an interrupted one finished instead of recomputing them.
+resumed walk restores the layers an interrupted one finished instead of recomputing them. With a
+`source` (LayerSource) the model is a skeleton without weights: each layer is loaded when the walk
+reaches it and let go once it is finished (and saved), so one layer's weights are resident at a time.
 """
 from __future__ import annotations
 
@@ -71,6 +73,22 @@ class LayerStore(Protocol):
              hidden: Optional[list[torch.Tensor]]) -> None: ...
 
     def restore(self, index: int, prefix: str, layer: nn.Module): ...
+
+
+class LayerSource(Protocol):
+    """Where a streamed walk's layers come from: load puts layer `index` (at `prefix`) on `device`
+    before the walk reaches it, unload lets it go after; outer(device) is a context manager that
+    keeps what runs before the first layer (the token embedding) resident while inputs are captured
+    (an export asks for the modules outside the layers one at a time: outer_names, and outer's
+    dtype and names)."""
+
+    def load(self, index: int, prefix: str, layer: nn.Module, device) -> None: ...
+
+    def unload(self, index: int, prefix: str, layer: nn.Module) -> None: ...
+
+    def outer(self, device, dtype=None, names=None): ...
+
+    def outer_names(self) -> list[str]: ...
 
 
 class WalkResult(list):
@@ -228,22 +246,29 @@ def _layer_device(layer: nn.Module) -> Optional[torch.device]:
 def walk(model, arch: Arch, batches: torch.Tensor, on_layer, device=None, label: str = "walk",
          micro_batch: int = 8, attention_mask: Optional[torch.Tensor] = None,
          forward_dtype: Optional[torch.dtype] = None, final_outputs: bool = True,
-         store: Optional["LayerStore"] = None) -> WalkResult:
+         store: Optional["LayerStore"] = None, source: Optional[LayerSource] = None) -> WalkResult:
     """Layer by layer: result_i = on_layer(i, name, layer, inputs), then the layer's new outputs
     become the next layer's inputs. Returns the results (and, with final_outputs, the final
     hidden states; without, the last layer's outputs are never computed). With a store, each
-    finished layer is saved, and layers an interrupted run finished are restored, not redone."""
-    device = torch.device(device) if device is not None else _input_device(model)
-    inputs = capture_first_layer_inputs(model, arch, batches, micro_batch, attention_mask, device)
+    finished layer is saved, and layers an interrupted run finished are restored, not redone.
+    With a source, each layer is loaded from it when reached and unloaded when done."""
+    if device is None:
+        device = torch.device("cpu") if source is not None else _input_device(model)
+    device = torch.device(device)
+    with source.outer(device) if source is not None else contextlib.nullcontext():
+        inputs = capture_first_layer_inputs(model, arch, batches, micro_batch, attention_mask, device)
     inputs.forward_dtype = forward_dtype
     layers = decoder_layers(model, arch)
     progress = Progress(label, len(layers))
     results = WalkResult()
     for i, layer in enumerate(layers):
-        home = _layer_device(layer)
-        layer.to(device)
-        inputs.use_layer(i)
         prefix = f"{arch.layers}.{i}"
+        home = None if source is not None else _layer_device(layer)
+        if source is not None:
+            source.load(i, prefix, layer, device)
+        else:
+            layer.to(device)
+        inputs.use_layer(i)
         restored = store.restore(i, prefix, layer) if store is not None else None
         if restored is not None:  # finished by an earlier, interrupted run
             result, hidden = restored
@@ -256,7 +281,9 @@ def walk(model, arch: Arch, batches: torch.Tensor, on_layer, device=None, label:
             if store is not None:
                 store.save(i, prefix, layer, result, inputs.hidden if computed else None)
         results.append(result)
-        if home is not None:
+        if source is not None:
+            source.unload(i, prefix, layer)
+        elif home is not None:
             layer.to(home)
         progress.step()
     results.hidden = inputs.hidden

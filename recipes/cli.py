@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                      help="override a recipe value, e.g. --set calibration.samples=64")
     run.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
+    run.add_argument("--device", metavar="auto|cpu|cuda|cuda:N",
+                     help="where calibration runs (overrides calibration.device; default auto: a GPU if torch sees one)")
     run.set_defaults(handler=_cmd_run)
     export = sub.add_parser("export", help="rewrite a checkpoint in another format")
     export.add_argument("checkpoint", help="checkpoint folder (lowbit's, or compressed-tensors from other tools)")
@@ -119,6 +121,8 @@ def _cmd_run(args) -> int:
         overrides.append("export.overwrite=true")
     if args.allow_pickle:
         overrides.append("allow_pickle=true")
+    if args.device:
+        overrides.append(f"calibration.device={args.device}")
     recipe = load_recipe(args.recipe, tuple(overrides))
     output = args.run_output = Path(args.output or f"runs/{recipe.name}-{Path(recipe.model).name}")
     results = run(recipe, output, resume=args.resume)

@@ -57,6 +57,9 @@ class RunProgress:
     def open(cls, output: Path, recipe: dict, resume: bool) -> "RunProgress":
         folder = resume_dir(Path(output))
         identity = {**{k: recipe.get(k) for k in IDENTITY_KEYS}, "export": _export_identity(recipe)}
+        # where calibration runs and whether it streams do not decide the weights: a run may resume elsewhere
+        identity["calibration"] = {k: v for k, v in (identity["calibration"] or {}).items()
+                                   if k not in ("device", "streaming")}
         kept = kept_in(folder)
         if kept:
             _check_resumable(folder, identity, resume, kept)
@@ -77,8 +80,8 @@ class RunProgress:
         elif issubclass(kind, Exception):  # Ctrl-C is reported by the command line, in one line
             print(f"[lowbit] kept {kept} in {self.folder}; fix the cause and rerun with --resume", file=sys.stderr)
 
-    def step(self, index: int) -> "StepLayers":
-        return StepLayers(self.folder / f"step{index}", self._write_state)
+    def step(self, index: int, required: bool = False) -> "StepLayers":
+        return StepLayers(self.folder / f"step{index}", self._write_state, required)
 
     @property
     def checkpoint(self) -> Path:
@@ -148,8 +151,9 @@ def _check_resumable(folder: Path, identity: dict, resume: bool, kept: str) -> N
 class StepLayers:
     """One walk's finished layers (walker.LayerStore)."""
 
-    def __init__(self, folder: Path, before_first_save=lambda: None):
-        self.folder, self.before_first_save = folder, before_first_save
+    def __init__(self, folder: Path, before_first_save=lambda: None, required: bool = False):
+        # required: a streamed run, where these files are the only copy of the finished layers
+        self.folder, self.before_first_save, self.required = folder, before_first_save, required
         progress = folder / PROGRESS
         saved = json.loads(progress.read_text()) if progress.is_file() else {"finished": 0, "results": []}
         self.finished: int = saved["finished"]
@@ -162,6 +166,9 @@ class StepLayers:
         try:
             tensors, qconfig = layer_tensors(prefix, layer)
         except ValueError as err:  # a module compressed-tensors cannot describe (act-order g_idx)
+            if self.required:
+                raise ValueError(f"{prefix}: a streamed run keeps each finished layer on disk, and this "
+                                 f"one cannot be written ({err}); set calibration.streaming=false") from None
             self.disabled = True
             warnings.warn(f"resume checkpoints off for this step: {err}", RuntimeWarning, stacklevel=2)
             return
@@ -178,11 +185,14 @@ class StepLayers:
             if old.name != f"hidden{index}.safetensors":
                 old.unlink()
 
+    def layer_file(self, index: int) -> Optional[Path]:
+        """The saved state of layer `index`, or None while it is not finished."""
+        return self.folder / f"layer{index}.safetensors" if index < self.finished else None
+
     def restore(self, index: int, prefix: str, layer: nn.Module):
         if index >= self.finished:
             return None
-        path = self.folder / f"layer{index}.safetensors"
-        load_layer(prefix, layer, path)
+        load_layer(prefix, layer, self.layer_file(index))
         hidden = None
         if index == self.finished - 1 and (self.folder / f"hidden{index}.safetensors").is_file():
             saved = load_file(str(self.folder / f"hidden{index}.safetensors"))
@@ -207,15 +217,17 @@ def gguf_types(layer: nn.Module) -> dict[str, str]:
     return {n: m.scheme.type for n, m in layer.named_modules() if isinstance(m, GGUFLinear)}
 
 
-def load_layer(prefix: str, layer: nn.Module, path: Path) -> None:
-    """Load a layer saved by layer_tensors back into `layer` (quantized modules rebuilt)."""
+def load_layer(prefix: str, layer: nn.Module, path: Path, device=None) -> None:
+    """Load a layer saved by layer_tensors back into `layer` (quantized modules rebuilt), onto
+    `device` (default: where its parameters are; a layer of a streamed skeleton is on meta)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: layer checkpoint missing; delete the resume folder")
     with safe_open(str(path), "pt") as f:  # one read: metadata and tensors
         qconfig = json.loads(f.metadata().get("qconfig") or "{}")
         gguf = json.loads(f.metadata().get("gguf") or "{}")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    device = next((p.device for p in layer.parameters()), torch.device("cpu"))
+    if device is None:
+        device = next((p.device for p in layer.parameters()), torch.device("cpu"))
     for name, kind in gguf.items():  # GGUF modules keep their block bytes as plain buffers
         weight = tensors[f"{prefix}.{name}.weight"]
         scheme = GGUFScheme(kind)
@@ -226,7 +238,7 @@ def load_layer(prefix: str, layer: nn.Module, path: Path) -> None:
         module = ct.build_module(full, tensors, qconfig, str(path))
         layer.set_submodule(full[len(prefix) + 1:], module.to(device))
     floats = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.rpartition(".")[0] not in prefixes}
-    result = layer.load_state_dict(floats, strict=False)
+    result = layer.load_state_dict({k: v.to(device) for k, v in floats.items()}, strict=False, assign=True)
     quantized = {n for n, m in layer.named_modules() if ct.is_quantized(m)}
     missing = [k for k in result.missing_keys if k.rpartition(".")[0] not in quantized]
     if missing or result.unexpected_keys:

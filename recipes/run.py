@@ -14,28 +14,31 @@ import yaml
 
 from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.data import calibration_batches
-from lowbit.calibrate.hardware import cpu_info
+from lowbit.calibrate.hardware import cpu_info, resolve_device
 from lowbit.calibrate.models import load_model
 from lowbit.evaluate.baseline import cached_baseline
 from lowbit.evaluate.evaluation import evaluate
 from lowbit.evaluate.memory import model_weight_bytes
-from lowbit.evaluate.perplexity import perplexity
+from lowbit.evaluate.perplexity import bos_id, perplexity
 from lowbit.evaluate.report import write_report
 from lowbit.evaluate.results import ModelInfo, Results
 from lowbit.evaluate.suite import Reference
 from lowbit.export import checkpoint
 from lowbit.export.files import out_of_space_names
+from lowbit.export.streamed import save_streamed
 from lowbit.export.manifest import write_text_atomic
 from lowbit.export.model_card import write_model_card
 from lowbit.recipes.gguf_defaults import export_config
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
+from lowbit.quantize.audit import damping_notes
 
-from .audit import audit_run
+from .audit import audit_run, expected_schemes
 from .lock import output_lock
 from .preflight import preflight
 from .resume import RunProgress
 from .schema import Recipe
+from .streamed import PortionAudit, apply_steps_streamed, load_skeleton, streaming_folder
 
 TIMINGS = ("load_s", "calibrate_s", "quantize_s", "export_s", "evaluate_s")
 
@@ -75,6 +78,9 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
 def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
     """Load, measure the baseline, run the steps, audit and export into progress.checkpoint;
     returns what evaluating the checkpoint needs (kept by progress, so a resumed run skips this)."""
+    folder = streaming_folder(recipe)
+    if folder is not None:
+        return quantize_and_export_streamed(recipe, progress, folder)
     seconds: dict = {}
     timed = timer(seconds)
     model, tokenizer, seconds["load_s"] = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
@@ -89,8 +95,9 @@ def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
         with timed("evaluate_s"):
             cached_baseline(recipe.model, protocol, lambda: perplexity(model, tokenizer, protocol))
     arch = arch_for(model)
-    steps = apply_steps(recipe, StepContext(model, arch, recipe.ignore, lambda: _batches(recipe, tokenizer, timed)),
-                        progress, timed)
+    ctx = StepContext(model, arch, recipe.ignore, lambda: _batches(recipe, tokenizer, timed),
+                      device=resolve_device(recipe.calibration.device))
+    steps = apply_steps(recipe, ctx, progress, timed)
     seconds["quantize_s"] = seconds.get("quantize_s", 0.0) - seconds.get("calibrate_s", 0.0)
     audit = audit_run(model, recipe, arch, steps)  # before export: a failed audit publishes nothing
     audit.raise_if_failed()
@@ -98,6 +105,33 @@ def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
         checkpoint.save(model, tokenizer, progress.new_checkpoint(), export_config(recipe, model))
     exported = {"model": info, "baseline_bytes": baseline_bytes, "steps": steps, "audit": audit.to_dict(),
                 "seconds": seconds}
+    progress.record_export(exported)
+    return exported
+
+
+def quantize_and_export_streamed(recipe: Recipe, progress: RunProgress, folder: str) -> dict:
+    """quantize_and_export for a model that is never resident: each step streams the decoder
+    layers through the resume folder, the audit and the export read them back one at a time, and
+    the baseline is measured streamed by the evaluation."""
+    seconds: dict = {}
+    timed = timer(seconds)
+    model, tokenizer, weights, seconds["load_s"] = load_skeleton(recipe, folder)
+    if recipe.evaluate.perplexity.bos:
+        bos_id(tokenizer)  # raises, naming evaluate.perplexity.bos, if the tokenizer has no BOS/EOS
+    info = {"id": recipe.model, "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+            "model_type": model.config.model_type, "dtype": str(model.dtype).removeprefix("torch.")}
+    arch = arch_for(model)
+    expected, ignored, _ = expected_schemes(recipe, model, arch)  # from the float skeleton, as audit_run
+    ctx = StepContext(model, arch, recipe.ignore, lambda: _batches(recipe, tokenizer, timed),
+                      device=resolve_device(recipe.calibration.device))
+    steps, layers = apply_steps_streamed(recipe, ctx, weights, progress, timed)
+    seconds["quantize_s"] = seconds.get("quantize_s", 0.0) - seconds.get("calibrate_s", 0.0)
+    audit = PortionAudit(expected, ignored, arch, getattr(torch, recipe.export.dtype), tuple(damping_notes(steps)))
+    with timed("export_s"):
+        save_streamed(model, tokenizer, progress.new_checkpoint(), export_config(recipe, model), arch, layers,
+                      check=audit)
+    exported = {"model": info, "baseline_bytes": 2 * weights.numel(), "steps": steps,
+                "audit": audit.report.to_dict(), "seconds": seconds, "streamed_from": folder}
     progress.record_export(exported)
     return exported
 
@@ -117,9 +151,13 @@ def apply_steps(recipe: Recipe, ctx: StepContext, progress: RunProgress, timed) 
 def evaluate_checkpoint(recipe: Recipe, folder: Path, exported: dict) -> Results:
     """The checkpoint as written (reloaded), against the recipe's model (loaded only if needed)."""
     print(f"[lowbit] evaluating the checkpoint written in {folder}", file=sys.stderr)
-    reference = Reference(recipe.model, lambda: load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
-                                                           allow_pickle=recipe.allow_pickle)[0],
-                          weight_bytes=exported["baseline_bytes"])
+    if exported.get("streamed_from"):  # the baseline did not fit: never load it
+        reference = Reference(recipe.model, None, weight_bytes=exported["baseline_bytes"],
+                              stream_from=exported["streamed_from"])
+    else:
+        reference = Reference(recipe.model, lambda: load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
+                                                               allow_pickle=recipe.allow_pickle)[0],
+                              weight_bytes=exported["baseline_bytes"])
     return evaluate(folder, recipe.evaluate, reference, trust_remote_code=recipe.trust_remote_code)
 
 

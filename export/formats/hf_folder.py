@@ -3,7 +3,10 @@ model.safetensors, tokenizer, generation config) and the float tensors beside qu
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from safetensors import safe_open
@@ -13,6 +16,9 @@ from torch import nn
 from lowbit.export import kv_scales
 from lowbit.export.files import save_tensors
 from lowbit.quantize.runtime.modules import is_quantized_linear
+
+# a streamed export collects each pass's tensors instead of writing them (export/streamed.py)
+_weights_sink: ContextVar[Optional[Callable]] = ContextVar("lowbit_weights_sink", default=None)
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -91,8 +97,23 @@ def write_quantized(folder: Path, model, tokenizer, tensors: dict, qconfig: dict
     write_folder(folder, model, tokenizer, tensors, config, extra_files)
 
 
+@contextmanager
+def weights_to(sink: Callable[[dict, Path, dict], None]):
+    """Inside the block, write_folder hands sink(tensors, path, metadata) the weights instead of
+    writing model.safetensors."""
+    token = _weights_sink.set(sink)
+    try:
+        yield
+    finally:
+        _weights_sink.reset(token)
+
+
 def write_folder(folder: Path, model, tokenizer, tensors: dict, config: dict, extra_files: dict[str, str]) -> None:
-    save_tensors(tensors, folder / WEIGHTS, metadata={"format": "pt"})
+    sink, metadata = _weights_sink.get(), {"format": "pt"}
+    if sink is not None:
+        sink(tensors, folder / WEIGHTS, metadata)
+    else:
+        save_tensors(tensors, folder / WEIGHTS, metadata=metadata)
     write_folder_files(folder, model, tokenizer, config, extra_files)
 
 

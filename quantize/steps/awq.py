@@ -25,7 +25,7 @@ from lowbit.quantize.steps.gguf_rounding import planned_targets
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.fold import fold_scale, follower_index
 from lowbit.quantize.steps.smoothing import pair_index, to_prev, token_stride, weight_quantizer
-from lowbit.quantize.steps.spec import StepSpec
+from lowbit.quantize.steps.spec import WALK, StepSpec
 from lowbit.quantize.targets import is_ignored
 
 
@@ -296,7 +296,7 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
         return {"ratios": ratios, "clipped": clipped}
 
     per_layer = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="awq",
-                     store=ctx.layer_store)
+                     store=ctx.layer_store, source=ctx.layer_source)
     return {"scaled_pairs": [p.prev for p in ctx.arch.smooth],
             "scale_ratio": [r["ratios"] for r in per_layer],
             "clipped": sorted({n for r in per_layer for n in r["clipped"]})}
@@ -316,4 +316,4 @@ def _search_grid(ctx: StepContext, cfg: AWQConfig):
 
 SPEC = StepSpec("awq", AWQConfig, apply,
                 "activation-aware weight scaling and clipping (folds scales; a later step quantizes)",
-                searches=lambda cfg: cfg.scheme)
+                searches=lambda cfg: cfg.scheme, streamed=lambda cfg: WALK)

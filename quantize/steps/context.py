@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lowbit.calibrate.arch import Arch
-from lowbit.calibrate.walker import LayerStore
+from lowbit.calibrate.walker import LayerSource, LayerStore
 
 
 @dataclass
@@ -19,6 +19,7 @@ class StepContext:
     make_batches: Callable[[], torch.Tensor]  # (samples, seq_len) token ids, built on first use
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     layer_store: Optional[LayerStore] = None  # checkpoints each finished layer of a walk (resume)
+    layer_source: Optional[LayerSource] = None  # streamed runs: where a walk loads each layer from
     _batches: Optional[torch.Tensor] = None
 
     @property

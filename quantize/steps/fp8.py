@@ -16,7 +16,7 @@ from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.gptq import GPTQConfig
 from lowbit.quantize.steps.gptq_solver import gptq_solve_fp8
 from lowbit.quantize.steps.layerwise import damping_retries, linear_stats, walk_solving
-from lowbit.quantize.steps.spec import StepSpec
+from lowbit.quantize.steps.spec import LAYERS, WALK, StepSpec
 from lowbit.quantize.targets import replace_module, select_targets
 
 
@@ -90,5 +90,11 @@ def _apply_gptq(ctx: StepContext, cfg: FP8Config, targets, input_scales: dict) -
             "damping_retries": damping_retries(layers)}
 
 
+def _streamed(cfg: FP8Config) -> str:
+    if cfg.activations == "static":
+        return "static input scales are observed in whole-model forwards, which do not stream yet"
+    return WALK if cfg.rounding == "gptq" else LAYERS
+
+
 SPEC = StepSpec("fp8", FP8Config, apply, "FP8 weights and activations (dynamic or static)",
-                writes=lambda cfg: LinearScheme(cfg.scheme, cfg.activations))
+                writes=lambda cfg: LinearScheme(cfg.scheme, cfg.activations), streamed=_streamed)

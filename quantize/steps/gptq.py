@@ -24,7 +24,7 @@ from lowbit.quantize.steps import gguf_rounding
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.gptq_solver import gptq_solve
 from lowbit.quantize.steps.layerwise import damping_retries, linear_stats, walk_solving
-from lowbit.quantize.steps.spec import StepSpec
+from lowbit.quantize.steps.spec import WALK, StepSpec
 from lowbit.quantize.targets import replace_module, select_targets
 
 
@@ -133,4 +133,4 @@ def _row_slice(qw: QuantizedWeight, rows: slice) -> QuantizedWeight:
 
 
 SPEC = StepSpec("gptq", GPTQConfig, apply, "GPTQ: error-compensating weight quantization, layer by layer",
-                writes=lambda cfg: LinearScheme(cfg.scheme))
+                writes=lambda cfg: LinearScheme(cfg.scheme), streamed=lambda cfg: WALK)

@@ -14,7 +14,7 @@ from lowbit.quantize.grids.inputs import InputQuant, static_scale_from_absmax
 from lowbit.quantize.runtime.int8_inputs import product_path
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.steps.context import StepContext
-from lowbit.quantize.steps.spec import StepSpec
+from lowbit.quantize.steps.spec import LAYERS, StepSpec
 from lowbit.quantize.targets import is_ignored
 
 
@@ -55,4 +55,6 @@ def apply(ctx: StepContext, cfg: InputQuantConfig) -> dict:
 
 SPEC = StepSpec("quantize_inputs", InputQuantConfig, apply,
                 "INT8 input quantization of the quantized linears (W8A8 after an int8 weight step)",
-                adds_inputs=lambda cfg: InputQuant(cfg.bits, cfg.dynamic))
+                adds_inputs=lambda cfg: InputQuant(cfg.bits, cfg.dynamic),
+                streamed=lambda cfg: LAYERS if cfg.dynamic else
+                "static input scales are observed in whole-model forwards, which do not stream yet")

@@ -35,4 +35,5 @@ def apply(ctx: StepContext, cfg: KVCacheConfig) -> dict:
 
 
 SPEC = StepSpec("kv_cache", KVCacheConfig, apply, "INT8/FP8/INT4 KV cache, scales on cached K/V",
-                kv_cache=lambda cfg: cfg)
+                kv_cache=lambda cfg: cfg,
+                streamed=lambda cfg: "KV-cache scales are observed in whole-model forwards, which do not stream yet")

@@ -25,7 +25,7 @@ from lowbit.quantize.steps.smoothing import (
     token_stride,
     weight_quantizer,
 )
-from lowbit.quantize.steps.spec import StepSpec
+from lowbit.quantize.steps.spec import WALK, StepSpec
 
 
 @dataclass(frozen=True)
@@ -88,11 +88,11 @@ def apply(ctx: StepContext, cfg: SmoothQuantConfig) -> dict:
                          "(an unknown architecture?); add its row to calibrate/arch.py")
     alphas = walk(ctx.model, ctx.arch, ctx.batches,
                   lambda i, name, layer, inputs: smooth_layer(layer, ctx.arch, inputs, ctx.device, cfg),
-                  device=ctx.device, label="smoothquant", store=ctx.layer_store)
+                  device=ctx.device, label="smoothquant", store=ctx.layer_store, source=ctx.layer_source)
     return {"smoothed_pairs": [p.prev for p in ctx.arch.smooth], "alpha": cfg.alpha,
             "alphas_chosen": alphas if cfg.alpha_grid else None}
 
 
 SPEC = StepSpec("smoothquant", SmoothQuantConfig, apply,
                 "migrate activation outliers into the weights (folds scales; quantizes nothing)",
-                searches=lambda cfg: cfg.scheme if cfg.alpha_grid else None)
+                searches=lambda cfg: cfg.scheme if cfg.alpha_grid else None, streamed=lambda cfg: WALK)

@@ -19,6 +19,13 @@ def _nothing(cfg) -> None:
     return None
 
 
+def _per_layer(cfg) -> str:
+    return LAYERS
+
+
+WALK, LAYERS = "walk", "layers"
+
+
 @dataclass(frozen=True)
 class StepSpec:
     name: str  # the key a recipe lists it under
@@ -33,3 +40,7 @@ class StepSpec:
     kv_cache: Callable[[Any], Optional[KVCacheConfig]] = _nothing
     # the weight grid a scale search assumes (awq, smoothquant): the next weight step must write it
     searches: Callable[[Any], Optional[IntScheme]] = _nothing
+    # how it runs on a streamed model (never resident): WALK when its own layer walk loads each
+    # layer (ctx.layer_source), LAYERS when it needs no data and is applied to one resident layer
+    # at a time; any other text says why it cannot run streamed
+    streamed: Callable[[Any], str] = _per_layer

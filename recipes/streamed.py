@@ -1,0 +1,207 @@
+"""Streamed runs: the model is never resident. A skeleton without weights holds the structure; each
+step walks the decoder layers, loading each from the newest step folder of the resume directory
+that finished it (else from the model's safetensors shards), and saves it there once done
+(recipes/resume.py's StepLayers: those files are the run's state, so --resume continues streamed
+runs too); the export then joins the last step's layers into the checkpoint (export/streamed.py).
+
+Memory: one decoder layer in the calibration dtype (float32) plus what the step keeps for it
+(GPTQ: one Hessian per input, in² x 4 bytes), the calibration activations (walker.py) and, while
+inputs are captured, the token embedding. Disk: one copy of the layers per step, in float32 where
+they stay float. The embedding, final norm and LM head are read from the shards as they are: a
+streamed run leaves them unquantized (lm_head must stay in `ignore`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lowbit.calibrate.arch import Arch, decoder_layers, matches_name
+from lowbit.calibrate.checks import check_finite_weights, safetensors_files
+from lowbit.calibrate.hardware import available_memory_bytes
+from lowbit.calibrate.models import load_tokenizer, resolve_model_path
+from lowbit.calibrate.streaming import (ShardedWeights, buffers_to, empty_model, materialize, outer_modules,
+                                        release_all)
+from lowbit.quantize.audit import AuditReport, audit_model
+from lowbit.quantize.steps.context import StepContext
+from lowbit.quantize.steps.registry import STEPS
+from lowbit.quantize.steps.spec import LAYERS, WALK
+
+from .resume import StepLayers, load_layer
+from .schema import Recipe
+
+CALIBRATION_DTYPE = torch.float32  # as the resident load (models.DEFAULT_DTYPE): same figures
+FIT_FRACTION = 0.8  # auto streams when the float32 model would take more of the free memory
+
+
+class StreamedLayers:
+    """walker.LayerSource over the shards and the layers earlier steps finished (newest first)."""
+
+    def __init__(self, model: nn.Module, arch: Arch, weights: ShardedWeights, stores: list[StepLayers]):
+        self.model, self.arch, self.weights, self.stores = model, arch, weights, list(stores)
+
+    def load(self, index: int, prefix: str, layer: nn.Module, device) -> None:
+        saved = next((s.layer_file(index) for s in reversed(self.stores) if s.layer_file(index)), None)
+        if saved is not None:
+            load_layer(prefix, layer, saved, device)
+        else:
+            materialize(self.model, layer, prefix, self.weights, CALIBRATION_DTYPE, device)
+            try:
+                check_finite_weights(layer)
+            except ValueError as err:
+                raise ValueError(f"{self.weights.folder}, layer {prefix}: {err}") from None
+        layer.to(device)  # buffers the skeleton computed (not stored) follow the weights
+
+    def unload(self, index: int, prefix: str, layer: nn.Module) -> None:
+        release_all(self.model, layer)
+
+    def outer_names(self) -> list[str]:
+        return [name for name, _ in outer_modules(self.model, self.arch.layers)]
+
+    @contextmanager
+    def outer(self, device, dtype=None, names=None):
+        """The embedding, final norm and head (never changed by a streamed run) from the shards, in
+        `dtype` (default the calibration dtype); `names` picks some of them (default all)."""
+        modules = [(n, m) for n, m in outer_modules(self.model, self.arch.layers) if names is None or n in names]
+        buffers_to(self.model, device)
+        for name, module in modules:
+            materialize(self.model, module, name, self.weights, dtype or CALIBRATION_DTYPE, device)
+        try:
+            yield
+        finally:
+            for _, module in modules:
+                release_all(self.model, module)
+
+
+def streaming_folder(recipe: Recipe) -> Optional[str]:
+    """The model folder to stream from, or None for a resident run; calibration.streaming true
+    refuses what cannot stream, auto streams only what would not fit in memory."""
+    mode = recipe.calibration.streaming
+    if mode is False:
+        return None
+    folder = Path(resolve_model_path(recipe.model))
+    why = _cannot_stream(recipe, folder)
+    if why:
+        if mode is True:
+            raise ValueError(f"calibration.streaming: {why}")
+        return None
+    if mode is True:
+        return str(folder)
+    need = ShardedWeights(folder).numel() * CALIBRATION_DTYPE.itemsize
+    free = available_memory_bytes()
+    streams = free is not None and need > FIT_FRACTION * free
+    if streams:
+        print(f"[lowbit] {recipe.model}: {need / 2**30:.1f} GiB in float32 would not fit in "
+              f"{free / 2**30:.1f} GiB free; streaming one decoder layer at a time", file=sys.stderr)
+    return str(folder) if streams else None
+
+
+def _cannot_stream(recipe: Recipe, folder: Path) -> str:
+    if not folder.is_dir():
+        return (f"{recipe.model} is not a local folder; streaming reads safetensors shards (download it "
+                "first, e.g. `hf download NAME --local-dir DIR`, and pass --model DIR)")
+    if not safetensors_files(folder):
+        return f"{folder} has no safetensors weights to stream"
+    if recipe.export.format == "gguf":
+        return "export format gguf writes one model.gguf, which a streamed export does not assemble yet"
+    if not matches_name("lm_head", recipe.ignore):
+        return "a streamed run leaves the LM head unquantized; keep lm_head in `ignore`"
+    for i, step in enumerate(recipe.steps):
+        mode = STEPS[step.name].streamed(step.config)
+        if mode not in (WALK, LAYERS):
+            return f"steps[{i}].{step.name} cannot run streamed: {mode}"
+    return ""
+
+
+def load_skeleton(recipe: Recipe, folder: str):
+    """(skeleton model, tokenizer, its weights, seconds): nothing of the weights is read."""
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(folder, recipe.trust_remote_code)
+    model = empty_model(folder, CALIBRATION_DTYPE, recipe.trust_remote_code)
+    return model, tokenizer, ShardedWeights(folder), time.perf_counter() - start
+
+
+def apply_steps_streamed(recipe: Recipe, ctx: StepContext, weights: ShardedWeights, progress, timed) -> tuple:
+    """Each step over the streamed layers; (what each did, the source the export reads from)."""
+    stores: list[StepLayers] = []
+    steps = []
+    for index, step in enumerate(recipe.steps):
+        spec = STEPS[step.name]
+        store = progress.step(index, required=True)
+        ctx.layer_store, ctx.layer_source = store, StreamedLayers(ctx.model, ctx.arch, weights, stores)
+        start = time.perf_counter()
+        with timed("quantize_s"):
+            if spec.streamed(step.config) == WALK:
+                detail = spec.apply(ctx, step.config)
+            else:
+                detail = apply_per_layer(spec, step.config, ctx)
+        steps.append({"name": step.name, "seconds": time.perf_counter() - start, **detail})
+        stores.append(store)
+    return steps, StreamedLayers(ctx.model, ctx.arch, weights, stores)
+
+
+def apply_per_layer(spec, cfg, ctx: StepContext) -> dict:
+    """A step that needs no data, applied to one resident layer at a time (the other layers are
+    out of its reach through its ignore list), each layer saved once done; records merged."""
+    records, layers = [], decoder_layers(ctx.model, ctx.arch)
+    for i, layer in enumerate(layers):
+        prefix = f"{ctx.arch.layers}.{i}"
+        ctx.layer_source.load(i, prefix, layer, ctx.device)
+        restored = ctx.layer_store.restore(i, prefix, layer)
+        if restored is None:
+            scoped = dataclasses.replace(ctx, ignore=ctx.ignore + (f"re:(?!{re.escape(prefix)}\\.).*",))
+            record = spec.apply(scoped, cfg)
+            ctx.layer_store.save(i, prefix, layer, record, None)
+        else:
+            record = restored[0]
+        records.append(_in_layer(record, prefix, ctx.ignore))
+        ctx.layer_source.unload(i, prefix, layer)
+    return merge_records(records)
+
+
+def _in_layer(record: dict, prefix: str, ignore: tuple[str, ...]) -> dict:
+    """The record without the entries the layer scope added (other layers' linears 'ignored')."""
+    ignored = record.get("ignored")
+    if not isinstance(ignored, dict):
+        return record
+    kept = {n: why for n, why in ignored.items() if n.startswith(prefix + ".") or matches_name(n, ignore)}
+    return {**record, "ignored": kept}
+
+
+def merge_records(records: list[dict]) -> dict:
+    """Per-layer records as one: lists joined, mappings merged, other values as the first layer's."""
+    merged: dict = {}
+    for record in records:
+        for key, value in record.items():
+            if key not in merged:
+                merged[key] = list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
+            elif isinstance(value, list):
+                merged[key] += value
+            elif isinstance(value, dict):
+                merged[key].update(value)
+    return merged
+
+
+class PortionAudit:
+    """The run's audit, one resident portion at a time while the export reads it (so a failed
+    audit publishes nothing); the portions' reports add up to the whole model's."""
+
+    def __init__(self, expected: dict, ignored: dict, arch: Arch, storage_dtype, damping: tuple):
+        self.expected, self.ignored, self.arch = expected, ignored, arch
+        self.storage_dtype, self.report = storage_dtype, AuditReport(damping=list(damping))
+
+    def __call__(self, model: nn.Module, resident: list[int]) -> None:
+        prefixes = tuple(f"{self.arch.layers}.{i}." for i in resident)
+        expected = {n: s for n, s in self.expected.items() if n.startswith(prefixes)}
+        part = audit_model(model, expected, self.ignored, None, self.arch, self.storage_dtype)
+        self.report.checked.update(part.checked)
+        self.report.ignored.update({n: why for n, why in part.ignored.items() if n not in self.report.ignored})
+        self.report.problems += part.problems
+        part.raise_if_failed()

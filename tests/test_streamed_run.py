@@ -1,0 +1,219 @@
+"""Streamed runs (calibration.streaming): the model is never resident, each decoder layer is read
+from the shards (or the step before) when reached and written out when done; the checkpoint is the
+resident run's, byte for byte."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from streaming_models import save_sharded_tiny
+from tiny_models import save_tiny_llama
+from lowbit.calibrate.arch import arch_for, decoder_layers
+from lowbit.calibrate.streaming import is_resident
+from lowbit.export.safetensors_join import join_safetensors
+from lowbit.recipes import resume
+from lowbit.recipes.cli import main
+from lowbit.recipes.streamed import StreamedLayers, load_skeleton
+
+QUICK = ["calibration.samples=4", "calibration.seq_len=64", "evaluate.baseline=false",
+         "evaluate.kl.enabled=false", "evaluate.memory.measure_peak=false", "evaluate.perplexity.max_tokens=256",
+         "evaluate.perplexity.context_len=128", "evaluate.perplexity.stride=128"]
+WEIGHTS_AND_CONFIG = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("streamed") / "tiny", layers=3)
+
+
+def lowbit_run(recipe: str, model: Path, out: Path, *settings: str, extra=()) -> int:
+    args = ["run", recipe, "--model", str(model), "--output", str(out), *extra]
+    for item in (*QUICK, *settings):
+        args += ["--set", item]
+    return main(args)
+
+
+def test_join_writes_what_save_file_writes(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"model.layers.{i}.{n}": torch.randn(shape, generator=gen).to(dtype) for i in range(3)
+               for n, shape, dtype in [("w", (5, 7), torch.float32), ("codes", (4, 3), torch.int32),
+                                       ("scale", (9,), torch.bfloat16), ("q", (3,), torch.uint8),
+                                       ("h", (2, 2), torch.float16), ("f8", (6,), torch.float8_e4m3fn)]}
+    tensors["mask"] = torch.ones(3, dtype=torch.bool)
+    save_file(tensors, str(tmp_path / "whole.safetensors"), metadata={"format": "pt"})
+    names = list(tensors)
+    parts = []
+    for k in range(4):  # names spread over the parts in another order than the file's
+        parts.append(tmp_path / f"part{k}.safetensors")
+        save_file({n: tensors[n] for n in names[k::4]}, str(parts[-1]))
+    join_safetensors(parts, tmp_path / "joined.safetensors", {"format": "pt"})
+    assert (tmp_path / "joined.safetensors").read_bytes() == (tmp_path / "whole.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="in both"):
+        join_safetensors(parts + parts[:1], tmp_path / "twice.safetensors")
+
+
+@pytest.mark.parametrize("recipe", ["w4a16-gptq", "w4a16-rtn", "w4a16-awq-gptq", "w8a8-smoothquant",
+                                    "fp8-dynamic", "w8a8-int8"])
+def test_streamed_checkpoint_is_the_resident_one(recipe, tiny, tmp_path):
+    assert lowbit_run(recipe, tiny, tmp_path / "resident", "calibration.streaming=false") == 0
+    assert lowbit_run(recipe, tiny, tmp_path / "streamed", "calibration.streaming=true") == 0
+    for name in WEIGHTS_AND_CONFIG:
+        assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "resident" / name).read_bytes(), name
+    resident = json.loads((tmp_path / "resident" / "results.json").read_text())
+    streamed = json.loads((tmp_path / "streamed" / "results.json").read_text())
+    assert streamed["quality"]["perplexity"] == resident["quality"]["perplexity"]
+    assert streamed["audit"]["checked"] == resident["audit"]["checked"] > 0
+    assert streamed["audit"]["ignored"] == resident["audit"]["ignored"]
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text", "phi3", "opt"])
+def test_streamed_equals_resident_across_architectures(model_type, tmp_path, tiny_tokenizer_dir):
+    """Sharded folders (several files and an index), tied and untied heads, fused projections,
+    per-layer masks: the streamed checkpoint is still the resident one."""
+    folder = save_sharded_tiny(tmp_path / model_type, model_type, tiny_tokenizer_dir)
+    for mode in ("false", "true"):
+        assert lowbit_run("w4a16-gptq", folder, tmp_path / mode, f"calibration.streaming={mode}") == 0
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "true" / name).read_bytes() == (tmp_path / "false" / name).read_bytes(), name
+
+
+def test_a_streamed_walk_holds_one_layer(tmp_path, tiny_tokenizer_dir):
+    """Sharded folder (several files and an index): during a step's walk only the layer being
+    calibrated has weights; the rest of the model stays on the meta device."""
+    from lowbit.calibrate.walker import walk
+    from lowbit.recipes.schema import load_recipe
+
+    folder = save_sharded_tiny(tmp_path / "llama", "llama", tiny_tokenizer_dir)
+    model, tokenizer, weights, _ = load_skeleton(load_recipe("w4a16-rtn"), str(folder))
+    arch = arch_for(model)
+    source = StreamedLayers(model, arch, weights, [])
+    seen = []
+
+    def on_layer(i, prefix, layer, inputs):
+        seen.append([is_resident(other) for other in decoder_layers(model, arch)])
+
+    batches = torch.randint(0, 1000, (2, 16))
+    walk(model, arch, batches, on_layer, source=source)
+    layers = len(decoder_layers(model, arch))
+    assert seen == [[j == i for j in range(layers)] for i in range(layers)]
+    assert not any(is_resident(layer) for layer in decoder_layers(model, arch))
+    assert not is_resident(model.get_input_embeddings())  # resident only while inputs were captured
+
+
+def test_streamed_run_never_loads_the_model(tiny, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from lowbit.recipes import run
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a streamed run loaded the whole model")
+
+    monkeypatch.setattr(run, "load_model", refuse)
+    original = AutoModelForCausalLM.from_pretrained
+
+    def only_the_checkpoint(path, *args, **kwargs):  # the evaluation reloads what was written
+        if Path(path).resolve() == tiny.resolve():
+            refuse()
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", only_the_checkpoint)
+    assert lowbit_run("w4a16-gptq", tiny, tmp_path / "out", "calibration.streaming=true",
+                      "evaluate.baseline=true") == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["quality"]["baseline_perplexity"] > 0  # measured streamed
+
+
+# a streamed `lowbit run` that announces each layer it saves and waits after `STOP_AFTER`: the test
+# kills it there for real (SIGKILL), as a crash or an out-of-memory kill would
+STOPS_AFTER_A_LAYER = """
+import sys, time
+from lowbit.recipes import resume
+from lowbit.recipes.cli import main
+
+save = resume.StepLayers.save
+def announce(self, index, *args):
+    save(self, index, *args)
+    print(f"SAVED {self.folder.name} {index}", flush=True)
+    if (self.folder.name, index) == ("step0", 1):
+        time.sleep(600)
+resume.StepLayers.save = announce
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_killed_streamed_run_resumes_to_the_same_checkpoint(tiny, tmp_path):
+    settings = [x for item in (*QUICK, "calibration.streaming=true") for x in ("--set", item)]
+    assert main(["run", "w4a16-gptq", "--model", str(tiny), "--output", str(tmp_path / "whole"), *settings]) == 0
+    out = tmp_path / "killed"
+    child = subprocess.Popen([sys.executable, "-c", STOPS_AFTER_A_LAYER, "run", "w4a16-gptq", "--model", str(tiny),
+                              "--output", str(out), *settings], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in child.stdout:
+            if line.startswith("SAVED step0 1"):
+                break
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL and not out.exists()
+    assert resume.finished_layers(resume.resume_dir(out)) == 2
+    start = time.perf_counter()
+    assert main(["run", "w4a16-gptq", "--model", str(tiny), "--output", str(out), "--resume", *settings]) == 0
+    assert time.perf_counter() - start < 600
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
+    assert not resume.resume_dir(out).exists()
+
+
+@pytest.mark.parametrize("recipe, settings, why", [
+    ("w4a16-rtn-kv8", [], "steps[1].kv_cache cannot run streamed"),
+    ("fp8-static", [], "steps[0].fp8 cannot run streamed: static input scales"),
+    ("gguf-q4_0", [], "export format gguf"),
+    ("w4a16-rtn", ["ignore=[]"], "keep lm_head in `ignore`"),
+])
+def test_what_cannot_stream_is_refused_before_any_work(recipe, settings, why, tiny, tmp_path, capsys):
+    assert lowbit_run(recipe, tiny, tmp_path / "out", "calibration.streaming=true", *settings) == 2
+    err = capsys.readouterr().err
+    assert "calibration.streaming" in err and why in err
+    assert not (tmp_path / "out").exists() and not resume.resume_dir(tmp_path / "out").exists()
+
+
+def test_streaming_needs_a_local_folder(tmp_path, capsys):
+    assert lowbit_run("w4a16-rtn", Path("some-org/not-here"), tmp_path / "out", "calibration.streaming=true") == 2
+    assert "is not a local folder" in capsys.readouterr().err
+
+
+def test_auto_streams_only_what_does_not_fit(tiny, monkeypatch):
+    from lowbit.recipes import streamed
+    from lowbit.recipes.schema import load_recipe
+
+    recipe = load_recipe("w4a16-rtn", (f"model={tiny}",))
+    assert recipe.calibration.streaming == "auto"
+    monkeypatch.setattr(streamed, "available_memory_bytes", lambda: 2**40)
+    assert streamed.streaming_folder(recipe) is None
+    monkeypatch.setattr(streamed, "available_memory_bytes", lambda: 2**20)  # less than the tiny model
+    assert streamed.streaming_folder(recipe) == str(tiny)
+    kv = load_recipe("w4a16-rtn-kv8", (f"model={tiny}",))
+    assert streamed.streaming_folder(kv) is None  # cannot stream: resident, as before
+
+
+def test_device_names_are_checked(tiny, tmp_path, capsys):
+    from lowbit.calibrate.hardware import resolve_device
+
+    assert lowbit_run("w4a16-rtn", tiny, tmp_path / "out", extra=["--device", "gpu"]) == 2
+    assert "calibration.device must be auto, cpu, cuda or cuda:N, got 'gpu'" in capsys.readouterr().err
+    if torch.cuda.is_available():
+        assert resolve_device("auto").type == "cuda"
+        return
+    assert resolve_device("auto") == torch.device("cpu")
+    assert lowbit_run("w4a16-rtn", tiny, tmp_path / "out", extra=["--device", "cuda:1"]) == 2
+    assert "torch sees 0 CUDA device(s)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
