@@ -1,7 +1,8 @@
 """How memory and time grow with the model: random Llama models of real widths, resident against streamed.
 
-    python bench/scale.py                       # Llama-3-8B widths, 2 and 4 decoder layers
+    python bench/scale.py                       # perplexity at Llama-3-8B widths, 2 and 4 decoder layers
     python bench/scale.py --layers 2 4 8 --tokens 1024 --json
+    python bench/scale.py --task rtn gptq --layers 4 8 --modes streamed --json   # calibrate + export
 
 Each model (random weights, std 0.02, 128k vocabulary, untied head, the smollm2 tokenizer) is written
 once as bf16 safetensors shards under the lowbit cache (bench-models/). Each measurement runs in a
@@ -9,6 +10,10 @@ fresh process, so its peak RSS is its own: the perplexity protocol on `--tokens`
 text in 512-token windows, resident (the whole model loaded in float32) and streamed (one decoder
 layer at a time, evaluate/perplexity_streamed.py). Both must give the same figure; the peak of the
 streamed one should not grow with the number of layers, the resident one's grows by a layer's size.
+`--task rtn|gptq` measures `w4a16-rtn` / `w4a16-gptq` (group 128; GPTQ on --samples x 512 wiki
+tokens) up to the written checkpoint, without its evaluation: peak RSS (and peak GPU memory with
+--device cuda), seconds, seconds per layer and the sha256 of model.safetensors, which the resident
+and the streamed run must share.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ def model_folder(layers: int, widths: dict) -> Path:
 def build_model(folder: Path, layers: int, widths: dict) -> Path:
     """Write the random model once (bf16 shards, tokenizer); a finished folder is reused."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from lowbit.calibrate.models import resolve_model_path
 
@@ -46,7 +51,7 @@ def build_model(folder: Path, layers: int, widths: dict) -> Path:
                          max_position_embeddings=8192, tie_word_embeddings=False, initializer_range=0.02,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # built in bf16: half the memory
     staging = folder.with_name(folder.name + ".partial")
     model.save_pretrained(staging, max_shard_size="2GB")
     tokenizer.save_pretrained(staging)
@@ -74,6 +79,39 @@ def measure(mode: str, folder: Path, tokens: int) -> dict:
             "peak_rss_gib": peak_rss_bytes() / 2**30}
 
 
+def calibrate(mode: str, folder: Path, task: str, samples: int, device: str) -> dict:
+    """In this process: w4a16-<task> up to its exported checkpoint, resident or streamed."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    import torch
+
+    from lowbit.recipes.resume import RunProgress
+    from lowbit.recipes.run import quantize_and_export
+    from lowbit.recipes.schema import load_recipe
+
+    recipe = load_recipe(f"w4a16-{task}", (f"model={folder}", f"calibration.streaming={mode == 'streamed'}",
+                                          f"calibration.samples={samples}", "calibration.seq_len=512",
+                                          f"calibration.device={device}", "scheme.group_size=128",
+                                          "evaluate.baseline=false"))
+    out = Path(tempfile.mkdtemp(prefix="scale-", dir=folder.parent)) / "run"
+    start = time.perf_counter()
+    try:
+        with RunProgress.open(out, recipe.to_dict(), False) as progress:
+            quantize_and_export(recipe, progress)
+            digest = hashlib.sha256()
+            with open(progress.checkpoint / "model.safetensors", "rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+    finally:
+        shutil.rmtree(out.parent, ignore_errors=True)
+    seconds = time.perf_counter() - start
+    gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    return {"mode": mode, "task": task, "seconds": seconds, "peak_rss_gib": peak_rss_bytes() / 2**30,
+            "peak_gpu_gib": gpu, "model_safetensors_sha256": digest.hexdigest()[:16]}
+
+
 def peak_rss_bytes() -> int:
     """This process's own high-water RSS. Not getrusage's ru_maxrss: Linux carries the parent's
     high-water mark into a child across fork and exec, so a child of a big parent reads high."""
@@ -85,9 +123,10 @@ def peak_rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def in_fresh_process(mode: str, folder: Path, tokens: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", mode, str(folder), str(tokens)],
-                         capture_output=True, text=True)
+def in_fresh_process(mode: str, folder: Path, tokens: int, task: str = "ppl", samples: int = 8,
+                     device: str = "cpu") -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", mode, str(folder), str(tokens), task, str(samples),
+                          device], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{mode} on {folder} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -99,27 +138,42 @@ def weight_gib(folder: Path, bytes_per_param: int) -> float:
     return ShardedWeights(folder).numel() * bytes_per_param / 2**30
 
 
+def describe(row: dict) -> str:
+    head = (f"{row['layers']:2d} layers  {row['float32_weights_gib']:6.2f} GiB float32  {row['task']:<4} "
+            f"{row['mode']:<9} peak RSS {row['peak_rss_gib']:6.2f} GiB  {row['seconds']:7.1f} s")
+    if row["task"] == "ppl":
+        return head + f"  nll {row['nll_per_token']:.6f}"
+    gpu = f"  peak GPU {row['peak_gpu_gib']:.2f} GiB" if row.get("peak_gpu_gib") is not None else ""
+    return head + f"  {row['seconds'] / row['layers']:6.1f} s/layer{gpu}  sha256 {row['model_safetensors_sha256']}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--tokens", type=int, default=1024, help="evaluation tokens (512-token windows)")
     parser.add_argument("--modes", nargs="+", default=["resident", "streamed"], choices=["resident", "streamed"])
+    parser.add_argument("--task", nargs="+", default=["ppl"], choices=["ppl", "rtn", "gptq"],
+                        help="ppl: the perplexity protocol; rtn, gptq: w4a16-<task> up to its checkpoint")
+    parser.add_argument("--samples", type=int, default=8, help="calibration samples of 512 tokens (gptq)")
+    parser.add_argument("--device", default="cpu", help="calibration device (rtn, gptq): cpu, cuda, cuda:N")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--child", nargs=3, metavar=("MODE", "FOLDER", "TOKENS"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child[0], Path(args.child[1]), int(args.child[2]))))
+        mode, folder, tokens, task, samples, device = args.child
+        row = (measure(mode, Path(folder), int(tokens)) if task == "ppl"
+               else calibrate(mode, Path(folder), task, int(samples), device))
+        print(json.dumps(row))
         return
     rows = []
     for layers in args.layers:
         folder = build_model(model_folder(layers, LLAMA3_8B), layers, LLAMA3_8B)
-        for mode in args.modes:
-            row = {"layers": layers, "float32_weights_gib": weight_gib(folder, 4),
-                   **in_fresh_process(mode, folder, args.tokens)}
-            rows.append(row)
-            print(f"{layers:2d} layers  {row['float32_weights_gib']:6.2f} GiB float32  {mode:<9} "
-                  f"peak RSS {row['peak_rss_gib']:6.2f} GiB  {row['seconds']:7.1f} s  nll {row['nll_per_token']:.6f}",
-                  flush=True)
+        for task in args.task:
+            for mode in args.modes:
+                row = {"layers": layers, "float32_weights_gib": weight_gib(folder, 4), "task": task,
+                       **in_fresh_process(mode, folder, args.tokens, task, args.samples, args.device)}
+                rows.append(row)
+                print(describe(row), flush=True)
     if args.json:
         for row in rows:
             print(json.dumps(row))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -36,8 +37,6 @@ class ShardedWeights:
 
     def _tensor_shards(self) -> dict[str, str]:
         """Tensor name -> file, from the index where there is one, else from each file's header."""
-        from safetensors import safe_open
-
         files = safetensors_files(self.folder)  # an index's shards, each checked to exist
         if not files:
             raise FileNotFoundError(f"{self.folder}: streaming reads safetensors weights, and there is "
@@ -47,17 +46,15 @@ class ShardedWeights:
             return dict(json.loads(index.read_text())["weight_map"])
         shard_of = {}
         for path in files:
-            with safe_open(str(path), framework="pt") as handle:
+            with open_shard(path) as handle:
                 shard_of.update({name: path.name for name in handle.keys()})
         return shard_of
 
     def numel(self) -> int:
         """Elements of all tensors, from the shards' headers (nothing is read)."""
-        from safetensors import safe_open
-
         total = 0
         for shard in sorted(set(self.shard_of.values())):
-            with safe_open(str(self.folder / shard), framework="pt") as handle:
+            with open_shard(self.folder / shard) as handle:
                 for name in handle.keys():
                     total += math.prod(handle.get_slice(name).get_shape())
         return total
@@ -68,8 +65,6 @@ class ShardedWeights:
     def load(self, names: list[str], dtype: Optional[torch.dtype] = None, device=None) -> dict[str, torch.Tensor]:
         """The named tensors, each shard opened once and closed after: a mapping kept open would
         keep every page read so far in this process's resident memory."""
-        from safetensors import safe_open
-
         missing = [n for n in names if n not in self.shard_of]
         if missing:
             raise KeyError(f"{self.folder}: no tensor {missing[0]!r} in its safetensors files "
@@ -79,10 +74,23 @@ class ShardedWeights:
             by_shard.setdefault(self.shard_of[name], []).append(name)
         tensors = {}
         for shard, members in by_shard.items():
-            with safe_open(str(self.folder / shard), framework="pt") as handle:
+            with open_shard(self.folder / shard) as handle:
                 for name in members:
                     tensors[name] = _cast(handle.get_tensor(name), dtype, device)
         return tensors
+
+
+@contextmanager
+def open_shard(path: Path):
+    """safe_open of one shard; a damaged file is an error that names it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except SafetensorError as err:
+        raise ValueError(f"{path}: unreadable or truncated safetensors file ({err})") from None
+    with handle:
+        yield handle
 
 
 def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype], device) -> torch.Tensor:

@@ -107,12 +107,19 @@ def _write_rest(model, tokenizer, staging: Path, cfg: ExportConfig, extra_files:
     return seen
 
 
+class LayerSubset(nn.ModuleDict):
+    """Some decoder layers under their own indices: iterated like the layer list it stands for."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+
 @contextmanager
 def only_layers(model: nn.Module, arch: Arch, layers: nn.ModuleList, keep: list[int]):
     """Inside the block the model holds only decoder layers `keep`, under their own names."""
     owner_path, _, attr = arch.layers.rpartition(".")
     owner = model.get_submodule(owner_path) if owner_path else model
-    owner._modules[attr] = nn.ModuleDict({str(i): layers[i] for i in keep})
+    owner._modules[attr] = LayerSubset({str(i): layers[i] for i in keep})
     try:
         yield
     finally:

@@ -121,12 +121,12 @@ def quantize_and_export_streamed(recipe: Recipe, progress: RunProgress, folder: 
     info = {"id": recipe.model, "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
             "model_type": model.config.model_type, "dtype": str(model.dtype).removeprefix("torch.")}
     arch = arch_for(model)
-    expected, ignored, _ = expected_schemes(recipe, model, arch)  # from the float skeleton, as audit_run
+    expected, ignored, kv = expected_schemes(recipe, model, arch)  # from the float skeleton, as audit_run
     ctx = StepContext(model, arch, recipe.ignore, lambda: _batches(recipe, tokenizer, timed),
                       device=resolve_device(recipe.calibration.device))
     steps, layers = apply_steps_streamed(recipe, ctx, weights, progress, timed)
     seconds["quantize_s"] = seconds.get("quantize_s", 0.0) - seconds.get("calibrate_s", 0.0)
-    audit = PortionAudit(expected, ignored, arch, getattr(torch, recipe.export.dtype), tuple(damping_notes(steps)))
+    audit = PortionAudit(expected, ignored, kv, arch, getattr(torch, recipe.export.dtype), tuple(damping_notes(steps)))
     with timed("export_s"):
         save_streamed(model, tokenizer, progress.new_checkpoint(), export_config(recipe, model), arch, layers,
                       check=audit)

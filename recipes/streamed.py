@@ -27,12 +27,13 @@ from lowbit.calibrate.arch import Arch, decoder_layers, matches_name
 from lowbit.calibrate.checks import check_finite_weights, safetensors_files
 from lowbit.calibrate.hardware import available_memory_bytes
 from lowbit.calibrate.models import load_tokenizer, resolve_model_path
+from lowbit.calibrate.observers_walked import walked_kv_absmax, walked_linear_input_absmax
 from lowbit.calibrate.streaming import (ShardedWeights, buffers_to, empty_model, materialize, outer_modules,
                                         release_all)
 from lowbit.quantize.audit import AuditReport, audit_model
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
-from lowbit.quantize.steps.spec import LAYERS, WALK
+from lowbit.quantize.steps.spec import LAYERS, MODEL, WALK
 
 from .resume import StepLayers, load_layer
 from .schema import Recipe
@@ -115,7 +116,7 @@ def _cannot_stream(recipe: Recipe, folder: Path) -> str:
         return "a streamed run leaves the LM head unquantized; keep lm_head in `ignore`"
     for i, step in enumerate(recipe.steps):
         mode = STEPS[step.name].streamed(step.config)
-        if mode not in (WALK, LAYERS):
+        if mode not in (WALK, LAYERS, MODEL):
             return f"steps[{i}].{step.name} cannot run streamed: {mode}"
     return ""
 
@@ -138,13 +139,24 @@ def apply_steps_streamed(recipe: Recipe, ctx: StepContext, weights: ShardedWeigh
         ctx.layer_store, ctx.layer_source = store, StreamedLayers(ctx.model, ctx.arch, weights, stores)
         start = time.perf_counter()
         with timed("quantize_s"):
-            if spec.streamed(step.config) == WALK:
+            ctx.observed = observe(ctx, spec.observes(step.config))
+            mode = spec.streamed(step.config)
+            if mode in (WALK, MODEL):  # a walk loads its layers; a MODEL step needs none resident
                 detail = spec.apply(ctx, step.config)
             else:
                 detail = apply_per_layer(spec, step.config, ctx)
         steps.append({"name": step.name, "seconds": time.perf_counter() - start, **detail})
         stores.append(store)
     return steps, StreamedLayers(ctx.model, ctx.arch, weights, stores)
+
+
+def observe(ctx: StepContext, kind: Optional[str]) -> dict:
+    """What the step reads through ctx.linear_input_absmax / kv_absmax, by a streamed layer walk
+    over the model as the steps before left it."""
+    if kind is None:
+        return {}
+    observer = {"linear_inputs": walked_linear_input_absmax, "kv": walked_kv_absmax}[kind]
+    return {kind: observer(ctx.model, ctx.arch, ctx.batches, ctx.layer_source, ctx.device)}
 
 
 def apply_per_layer(spec, cfg, ctx: StepContext) -> dict:
@@ -193,15 +205,16 @@ class PortionAudit:
     """The run's audit, one resident portion at a time while the export reads it (so a failed
     audit publishes nothing); the portions' reports add up to the whole model's."""
 
-    def __init__(self, expected: dict, ignored: dict, arch: Arch, storage_dtype, damping: tuple):
-        self.expected, self.ignored, self.arch = expected, ignored, arch
+    def __init__(self, expected: dict, ignored: dict, kv, arch: Arch, storage_dtype, damping: tuple):
+        self.expected, self.ignored, self.kv, self.arch = expected, ignored, kv, arch
         self.storage_dtype, self.report = storage_dtype, AuditReport(damping=list(damping))
 
     def __call__(self, model: nn.Module, resident: list[int]) -> None:
         prefixes = tuple(f"{self.arch.layers}.{i}." for i in resident)
         expected = {n: s for n, s in self.expected.items() if n.startswith(prefixes)}
-        part = audit_model(model, expected, self.ignored, None, self.arch, self.storage_dtype)
+        part = audit_model(model, expected, self.ignored, self.kv, self.arch, self.storage_dtype)
         self.report.checked.update(part.checked)
+        self.report.kv = part.kv or self.report.kv
         self.report.ignored.update({n: why for n, why in part.ignored.items() if n not in self.report.ignored})
         self.report.problems += part.problems
         part.raise_if_failed()

@@ -61,11 +61,20 @@ def test_join_writes_what_save_file_writes(tmp_path):
         join_safetensors(parts + parts[:1], tmp_path / "twice.safetensors")
 
 
-@pytest.mark.parametrize("recipe", ["w4a16-gptq", "w4a16-rtn", "w4a16-awq-gptq", "w8a8-smoothquant",
-                                    "fp8-dynamic", "w8a8-int8"])
-def test_streamed_checkpoint_is_the_resident_one(recipe, tiny, tmp_path):
-    assert lowbit_run(recipe, tiny, tmp_path / "resident", "calibration.streaming=false") == 0
-    assert lowbit_run(recipe, tiny, tmp_path / "streamed", "calibration.streaming=true") == 0
+STATIC_INT8_INPUTS = "steps.1.quantize_inputs.dynamic=false"
+
+
+@pytest.mark.parametrize("recipe, settings", [
+    ("w4a16-gptq", []), ("w4a16-rtn", []), ("w4a16-awq-gptq", []), ("w8a8-smoothquant", []),
+    ("fp8-dynamic", []), ("fp8-static", []), ("w8a8-int8", []), ("w8a8-int8", [STATIC_INT8_INPUTS]),
+    ("w4a16-gptq-kv8", []),
+])
+def test_streamed_checkpoint_is_the_resident_one(recipe, settings, tiny, tmp_path):
+    """Every kind of step: walks (gptq, awq, smoothquant), data-free ones applied a layer at a time
+    (rtn, fp8, dynamic inputs), and those observing whole forwards resident (static input scales,
+    KV-cache scales), observed by a layer walk when streamed."""
+    assert lowbit_run(recipe, tiny, tmp_path / "resident", "calibration.streaming=false", *settings) == 0
+    assert lowbit_run(recipe, tiny, tmp_path / "streamed", "calibration.streaming=true", *settings) == 0
     for name in WEIGHTS_AND_CONFIG:
         assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "resident" / name).read_bytes(), name
     resident = json.loads((tmp_path / "resident" / "results.json").read_text())
@@ -174,8 +183,6 @@ def test_killed_streamed_run_resumes_to_the_same_checkpoint(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("recipe, settings, why", [
-    ("w4a16-rtn-kv8", [], "steps[1].kv_cache cannot run streamed"),
-    ("fp8-static", [], "steps[0].fp8 cannot run streamed: static input scales"),
     ("gguf-q4_0", [], "export format gguf"),
     ("w4a16-rtn", ["ignore=[]"], "keep lm_head in `ignore`"),
 ])

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lowbit.calibrate.arch import Arch
+from lowbit.calibrate.observers import cached_kv_absmax, linear_input_absmax
 from lowbit.calibrate.walker import LayerSource, LayerStore
 
 
@@ -20,6 +21,9 @@ class StepContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     layer_store: Optional[LayerStore] = None  # checkpoints each finished layer of a walk (resume)
     layer_source: Optional[LayerSource] = None  # streamed runs: where a walk loads each layer from
+    # streamed runs: statistics a layer walk observed before the step ("linear_inputs", "kv"), where
+    # a resident run observes them through whole-model forwards
+    observed: dict = field(default_factory=dict)
     _batches: Optional[torch.Tensor] = None
 
     @property
@@ -27,3 +31,15 @@ class StepContext:
         if self._batches is None:
             self._batches = self.make_batches()
         return self._batches
+
+    def linear_input_absmax(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """name -> (in_features,) absmax of that linear's input over the calibration tokens."""
+        if "linear_inputs" in self.observed:
+            return {name: self.observed["linear_inputs"][name] for name in names}
+        return linear_input_absmax(self.model, names, self.batches)
+
+    def kv_absmax(self) -> dict[str, torch.Tensor]:
+        """{"k_absmax", "v_absmax"}: (layers, kv_heads) maxima of the cached keys and values."""
+        if "kv" in self.observed:
+            return self.observed["kv"]
+        return cached_kv_absmax(self.model, self.batches)

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lowbit.calibrate.arch import linear_weight
-from lowbit.calibrate.observers import linear_input_absmax
 from lowbit.calibrate.progress import Progress
 from lowbit.quantize.grids.fp8 import ActivationMode, FP8Scheme, quantize_weight_fp8, scale_from_absmax
 from lowbit.quantize.grids.linear import LinearScheme
@@ -47,7 +46,7 @@ def apply(ctx: StepContext, cfg: FP8Config) -> dict:
     input_scales = {}
     if cfg.activations == "static":
         # observed on the float model: all linears' inputs in one pass over the calibration data
-        absmax = linear_input_absmax(ctx.model, list(targets.linears), ctx.batches)
+        absmax = ctx.linear_input_absmax(list(targets.linears))
         input_scales = {name: scale_from_absmax(a.amax(), cfg.scheme.format) for name, a in absmax.items()}
     result = {"quantized": list(targets.linears), "ignored": targets.ignored,
               "input_scales": {n: float(s) for n, s in input_scales.items()}}
@@ -91,10 +90,9 @@ def _apply_gptq(ctx: StepContext, cfg: FP8Config, targets, input_scales: dict) -
 
 
 def _streamed(cfg: FP8Config) -> str:
-    if cfg.activations == "static":
-        return "static input scales are observed in whole-model forwards, which do not stream yet"
     return WALK if cfg.rounding == "gptq" else LAYERS
 
 
 SPEC = StepSpec("fp8", FP8Config, apply, "FP8 weights and activations (dynamic or static)",
-                writes=lambda cfg: LinearScheme(cfg.scheme, cfg.activations), streamed=_streamed)
+                writes=lambda cfg: LinearScheme(cfg.scheme, cfg.activations), streamed=_streamed,
+                observes=lambda cfg: "linear_inputs" if cfg.activations == "static" else None)

@@ -9,12 +9,11 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from lowbit.calibrate.observers import linear_input_absmax
 from lowbit.quantize.grids.inputs import InputQuant, static_scale_from_absmax
 from lowbit.quantize.runtime.int8_inputs import product_path
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.steps.context import StepContext
-from lowbit.quantize.steps.spec import LAYERS, StepSpec
+from lowbit.quantize.steps.spec import StepSpec
 from lowbit.quantize.targets import is_ignored
 
 
@@ -44,7 +43,7 @@ def apply(ctx: StepContext, cfg: InputQuantConfig) -> dict:
                if isinstance(m, QuantLinear) and not is_ignored(n, ctx.ignore)}
     if not modules:
         raise ValueError("quantize_inputs: no quantized linears; put a weight step (rtn, gptq) before it")
-    absmax = {} if cfg.dynamic else linear_input_absmax(ctx.model, list(modules), ctx.batches)
+    absmax = {} if cfg.dynamic else ctx.linear_input_absmax(list(modules))
     for name, module in modules.items():
         enable_input_quant(module, iq, absmax.get(name))
     path = product_path(ctx.device)
@@ -56,5 +55,4 @@ def apply(ctx: StepContext, cfg: InputQuantConfig) -> dict:
 SPEC = StepSpec("quantize_inputs", InputQuantConfig, apply,
                 "INT8 input quantization of the quantized linears (W8A8 after an int8 weight step)",
                 adds_inputs=lambda cfg: InputQuant(cfg.bits, cfg.dynamic),
-                streamed=lambda cfg: LAYERS if cfg.dynamic else
-                "static input scales are observed in whole-model forwards, which do not stream yet")
+                observes=lambda cfg: None if cfg.dynamic else "linear_inputs")

@@ -6,11 +6,10 @@ from typing import Optional
 
 from torch import nn
 
-from lowbit.calibrate.observers import cached_kv_absmax
 from lowbit.quantize.grids.kv import KVCacheConfig, static_scale
 from lowbit.quantize.runtime.kv_cache import SCALE_NAMES, attach, attention_modules, detach
 from lowbit.quantize.steps.context import StepContext
-from lowbit.quantize.steps.spec import StepSpec
+from lowbit.quantize.steps.spec import MODEL, StepSpec
 
 
 def set_scales(attns: list[nn.Module], stats: Optional[dict], cfg: KVCacheConfig) -> None:
@@ -24,7 +23,7 @@ def set_scales(attns: list[nn.Module], stats: Optional[dict], cfg: KVCacheConfig
 def apply(ctx: StepContext, cfg: KVCacheConfig) -> dict:
     detach(ctx.model)  # observe what a float cache would hold, after any weight quantization
     attns = attention_modules(ctx.model, ctx.arch)
-    stats = cached_kv_absmax(ctx.model, ctx.batches) if cfg.static else None
+    stats = ctx.kv_absmax() if cfg.static else None
     set_scales(attns, stats, cfg)
     attach(ctx.model, cfg)
     detail = {"format": cfg.format, "strategy": cfg.strategy, "layers": len(attns)}
@@ -36,4 +35,4 @@ def apply(ctx: StepContext, cfg: KVCacheConfig) -> dict:
 
 SPEC = StepSpec("kv_cache", KVCacheConfig, apply, "INT8/FP8/INT4 KV cache, scales on cached K/V",
                 kv_cache=lambda cfg: cfg,
-                streamed=lambda cfg: "KV-cache scales are observed in whole-model forwards, which do not stream yet")
+                streamed=lambda cfg: MODEL, observes=lambda cfg: "kv" if cfg.static else None)

@@ -23,7 +23,8 @@ def _per_layer(cfg) -> str:
     return LAYERS
 
 
-WALK, LAYERS = "walk", "layers"
+# MODEL: applied once to the skeleton, no layer resident (it changes no weights)
+WALK, LAYERS, MODEL = "walk", "layers", "model"
 
 
 @dataclass(frozen=True)
@@ -42,5 +43,8 @@ class StepSpec:
     searches: Callable[[Any], Optional[IntScheme]] = _nothing
     # how it runs on a streamed model (never resident): WALK when its own layer walk loads each
     # layer (ctx.layer_source), LAYERS when it needs no data and is applied to one resident layer
-    # at a time; any other text says why it cannot run streamed
+    # at a time, MODEL when applied once with no layer resident; other text: why it cannot stream
     streamed: Callable[[Any], str] = _per_layer
+    # statistics it reads through ctx (linear_inputs: linear_input_absmax, kv: kv_absmax), which a
+    # streamed run observes with a layer walk before the step
+    observes: Callable[[Any], Optional[str]] = _nothing
