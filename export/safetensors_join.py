@@ -39,11 +39,11 @@ def read_header(path: Path) -> tuple[int, dict]:
             raise ValueError(f"{path}: unreadable safetensors header ({err})") from None
 
 
-def write_part(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def write_part(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
     """A safetensors file of `tensors` in their own order, each written from its memory as it is
     (save_file first copies every tensor to bytes: twice the memory of the largest)."""
     names = {v: k for k, v in _DTYPES.items()}
-    header, offset = {}, 0
+    header, offset = ({"__metadata__": dict(metadata)} if metadata else {}), 0
     for name, tensor in tensors.items():
         size = tensor.numel() * tensor.element_size()
         header[name] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
@@ -53,7 +53,7 @@ def write_part(tensors: dict[str, torch.Tensor], path: Path) -> None:
     with out_of_space_names(path), open(path, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)) + encoded)
         for tensor in tensors.values():
-            flat = tensor.detach().cpu().contiguous().reshape(-1)
+            flat = tensor.detach().cpu().contiguous().reshape(-1)  # a view where it already is
             if flat.numel():
                 f.write(memoryview(flat.view(torch.uint8).numpy()))
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from lowbit.export.formats import compressed_tensors as ct
 from lowbit.export.checkpoint import is_lowbit_export, publish
-from lowbit.export.files import save_tensors
+from lowbit.export.safetensors_join import write_part
 from lowbit.export.manifest import write_text_atomic
 from lowbit.quantize.grids.gguf import GGUFScheme
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
@@ -248,5 +248,5 @@ def load_layer(prefix: str, layer: nn.Module, path: Path, device=None) -> None:
 
 def _save_tensors(tensors: dict, path: Path, metadata: Optional[dict] = None) -> None:
     tmp = path.with_suffix(".tmp")
-    save_tensors(tensors, tmp, metadata=metadata)
+    write_part(tensors, tmp, metadata)  # no copy of the layer (save_file makes one): a streamed run's peak
     os.replace(tmp, path)

@@ -40,10 +40,13 @@ def quantize_each(ctx: StepContext, scheme: IntScheme, quantize: Callable[[torch
     for name, module in targets.linears.items():
         check_group_size(scheme, linear_weight(module).shape[1], name)
     progress = Progress(label, len(targets.linears), "linears")
-    for name, module in targets.linears.items():
+    names = list(targets.linears)
+    for name in names:  # popped: each float weight is freed once its replacement is in place
+        module = targets.linears.pop(name)
         replace_module(ctx.model, name, QuantLinear.from_quantized(quantize(linear_weight(module)), module.bias))
+        del module
         progress.step()
-    return {"quantized": list(targets.linears), "ignored": targets.ignored}
+    return {"quantized": names, "ignored": targets.ignored}
 
 
 SPEC = StepSpec("rtn", RTNConfig, apply, "round-to-nearest weight quantization",
