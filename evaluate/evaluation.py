@@ -4,7 +4,9 @@ has just written (so the figures are the checkpoint's), `lowbit eval` on whateve
 
 What is resident when: the evaluated model from the start; the reference only from the first
 figure that needs it (KL, a baseline figure missing from the cache, speed, bitsandbytes), never
-before the measured peak; a bitsandbytes model one at a time. Both go when evaluate() returns.
+before the measured peak; a streamed reference never, one decoder layer (or its head) at a time
+while its perplexity and KL are measured; a bitsandbytes model one at a time. All go when
+evaluate() returns.
 """
 from __future__ import annotations
 

@@ -47,13 +47,29 @@ def kl_protocol(protocol: PerplexityProtocol, cfg: KLConfig) -> PerplexityProtoc
 @torch.no_grad()
 def kl_divergence(reference, model, tokenizer, protocol: PerplexityProtocol, cfg: KLConfig) -> dict:
     """Compare `model` with `reference` (the unquantized model) token by token."""
+    protocol, batches = kl_batches(tokenizer, protocol, cfg)
+    ref_logits = (_logits(reference, inputs, mask) for inputs, mask, _ in batches)
+    return compare_batches(ref_logits, model, batches, protocol)
+
+
+def kl_batches(tokenizer, protocol: PerplexityProtocol, cfg: KLConfig) -> tuple[PerplexityProtocol, list]:
+    """The KL protocol and its (inputs, mask, labels) batches of windows, for either reference."""
     protocol = kl_protocol(protocol, cfg)
     ids = eval_tokens(tokenizer, protocol)
     prefix = [bos_id(tokenizer)] if protocol.bos else []
+    return protocol, list(window_batches(ids, prefix, windows(len(ids), protocol)))
+
+
+@torch.no_grad()
+def compare_batches(ref_logits, model, batches: list, protocol: PerplexityProtocol) -> dict:
+    """KL and top-1 agreement of `model` against `ref_logits`, an iterable of each batch's reference
+    logits drawn in step with the batches: the model runs batch by batch too, so only one batch's
+    full-vocabulary logits of each exist at once; only the scored tokens' KLs are kept."""
     kls, agrees = [], []
-    for inputs, mask, labels in window_batches(ids, prefix, windows(len(ids), protocol)):
+    for ref_all, (inputs, mask, labels) in zip(ref_logits, batches):
         scored = labels[:, 1:] != -100  # positions whose next token is scored
-        ref = _logits(reference, inputs, mask)[:, :-1][scored]
+        ref = ref_all.float().cpu()[:, :-1][scored]
+        del ref_all
         out = _logits(model, inputs, mask)[:, :-1][scored]
         kls.append(token_kl(ref, out))
         agrees.append(top1_agree(ref, out))

@@ -3,7 +3,8 @@ time, each layer read from the safetensors shards and dropped after (calibrate/s
 
 Same protocol, same windows, same batches of WINDOWS_PER_BATCH and the same kernels as the resident
 `perplexity`, so the figure is the same (the tests compare them); only the order of work changes:
-all batches through layer 0, then all through layer 1, and so on.
+all batches through layer 0, then all through layer 1, and so on. The walk (StreamedHidden: the
+final hidden states of every window, then logits one batch at a time) serves kl_streamed.py too.
 
 Memory, with T tokens evaluated (max_tokens, plus a BOS per window), hidden size d, b bytes per
 value of the compute dtype: the hidden states of every window, T·d·b (Llama-3-8B, 16384 tokens,
@@ -33,33 +34,55 @@ from .perplexity import bos_id, eval_tokens, scored_nll, summary, window_batches
 def streamed_perplexity(path, tokenizer, protocol: PerplexityProtocol, device=None,
                         dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> dict:
     """`perplexity` of the model in folder `path` without ever holding more than one decoder layer."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    model = empty_model(path, dtype, trust_remote_code)
-    buffers_to(model, device)
-    weights = ShardedWeights(path)
-    arch = arch_for(model)
     ids = eval_tokens(tokenizer, protocol)
     prefix = [bos_id(tokenizer)] if protocol.bos else []
     spans = windows(len(ids), protocol)
     batches = list(window_batches(ids, prefix, spans))
-    outer = outer_modules(model, arch.layers)
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    with resident(model, [(n, m) for n, m in outer if m is not head], weights, dtype, device):
-        inputs = capture(model, arch, batches, device)
-    layers = decoder_layers(model, arch)
-    progress = Progress("perplexity (streamed)", len(layers), "layers")
-    for index, layer in enumerate(layers):
-        materialize(model, layer, f"{arch.layers}.{index}", weights, dtype, device)
-        inputs.use_layer(index)
-        inputs.hidden = layer_forward(layer, inputs, device)
-        release(model, layer)
-        progress.step()
+    streamed = StreamedHidden(path, batches, device, dtype, trust_remote_code, "perplexity (streamed)")
     nll, count = 0.0, 0
-    with resident(model, [(n, m) for n, m in outer if m is not embedding], weights, dtype, device):
-        for hidden, (_, mask, labels) in zip(inputs.hidden, batches):
-            batch_nll, batch_count = scored_nll(head_logits(model, layers, hidden, mask, device), labels)
+    with streamed.head() as batch_logits:
+        for logits, (_, _, labels) in zip(batch_logits, batches):
+            batch_nll, batch_count = scored_nll(logits, labels)
             nll, count = nll + batch_nll, count + batch_count
     return summary(nll, count, spans, prefix, protocol)
+
+
+class StreamedHidden:
+    """The final hidden states (before the final norm) of every batch of windows of the model in
+    folder `path`, computed one decoder layer at a time; `head()` turns them into logits one batch
+    at a time with only the final norm and LM head resident. Streamed perplexity and KL share it."""
+
+    def __init__(self, path, batches, device=None, dtype: torch.dtype = torch.float32,
+                 trust_remote_code: bool = False, label: str = "streamed"):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.dtype, self.batches = dtype, batches
+        self.model = empty_model(path, dtype, trust_remote_code)
+        buffers_to(self.model, self.device)
+        self.weights = ShardedWeights(path)
+        arch = arch_for(self.model)
+        self.outer = outer_modules(self.model, arch.layers)
+        head = self.model.get_output_embeddings()
+        with resident(self.model, [(n, m) for n, m in self.outer if m is not head], self.weights, dtype, self.device):
+            inputs = capture(self.model, arch, batches, self.device)
+        self.layers = decoder_layers(self.model, arch)
+        progress = Progress(label, len(self.layers), "layers")
+        for index, layer in enumerate(self.layers):
+            materialize(self.model, layer, f"{arch.layers}.{index}", self.weights, dtype, self.device)
+            inputs.use_layer(index)
+            inputs.hidden = layer_forward(layer, inputs, self.device)
+            release(self.model, layer)
+            progress.step()
+        self.hidden = inputs.hidden  # one (windows, width, hidden) tensor per batch
+
+    @contextmanager
+    def head(self):
+        """Inside the block, an iterator of each batch's logits (computed as it is drawn, so one
+        batch's logits exist at a time); the final norm and head hold weights only inside it."""
+        embedding = self.model.get_input_embeddings()
+        outer = [(n, m) for n, m in self.outer if m is not embedding]
+        with resident(self.model, outer, self.weights, self.dtype, self.device):
+            yield (head_logits(self.model, self.layers, hidden, mask, self.device)
+                   for hidden, (_, mask, _) in zip(self.hidden, self.batches))
 
 
 @contextmanager

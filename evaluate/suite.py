@@ -1,6 +1,7 @@
 """The sections the evaluation measures on one in-memory model (evaluation.evaluate() assembles
 them into Results), and the unquantized reference they compare against, loaded only when KL,
-a baseline figure missing from the cache, speed or a bitsandbytes baseline needs it."""
+a baseline figure missing from the cache, speed or a bitsandbytes baseline needs it (or, streamed,
+never loaded)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ from lowbit.calibrate.streaming import ShardedWeights
 from .baseline import cached_baseline
 from .config import EvaluateConfig, MemoryConfig
 from .kl import kl_divergence
+from .kl_streamed import streamed_kl_divergence
 from .memory import ModelShape, fit_table, measure_peak, model_weight_bytes, predicted_total
 from .peak_probe import Loadable, measure_in_subprocess, prefill_and_decode, random_prompt
 DEFAULT_KV_BYTES = 2.0  # a cache nothing quantizes: 16-bit keys and values
@@ -22,8 +24,9 @@ class Reference:
     """The unquantized model named `name`, loaded on first use and held until dropped with the
     Reference; `weight_bytes` (as a 16-bit checkpoint) is counted from it unless already known.
     With `stream_from` (its folder) and no loader, the reference is never loaded: its baseline
-    perplexity is measured one decoder layer at a time and its bytes are read from the shards'
-    headers; what needs its logits or a resident copy (KL, speed, lm-eval) is left out."""
+    perplexity and KL are measured one decoder layer at a time (KL's logits one batch at a time
+    from the final hidden states) and its bytes are read from the shards' headers; what needs a
+    resident copy (speed, lm-eval) is left out."""
 
     def __init__(self, name: Optional[str], load: Optional[Callable[[], object]], weight_bytes: Optional[int] = None,
                  stream_from: Optional[str] = None):
@@ -76,6 +79,8 @@ def quality_extras(model, tokenizer, cfg: EvaluateConfig, reference: Reference, 
     out = {}
     if cfg.kl.enabled and reference.available:
         out["kl"] = kl_divergence(reference.get(), model, tokenizer, cfg.perplexity, cfg.kl)
+    elif cfg.kl.enabled and reference.stream_from:
+        out["kl"] = streamed_kl_divergence(reference.stream_from, model, tokenizer, cfg.perplexity, cfg.kl)
     if cfg.lm_eval.tasks:
         from .lm_tasks import LMEvalKey, run_lm_eval
 

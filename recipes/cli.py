@@ -86,8 +86,8 @@ def _add_eval_commands(sub) -> None:
     ev.add_argument("--set", action="append", default=[], metavar="evaluate.KEY=VALUE",
                     help="override an evaluate option, e.g. --set evaluate.speed.enabled=true")
     ev.add_argument("--stream-baseline", action="store_true",
-                    help="never load the baseline model: measure its perplexity one decoder layer at a time "
-                         "from its safetensors shards (for a baseline larger than memory; KL, speed and "
+                    help="never load the baseline model: measure its perplexity and KL one decoder layer at "
+                         "a time from its safetensors shards (for a baseline larger than memory; speed and "
                          "lm-eval, which need it resident, leave it out)")
     ev.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
     ev.set_defaults(handler=cmd_eval)

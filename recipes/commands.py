@@ -82,6 +82,9 @@ def cmd_eval(args) -> int:
     write_report([results], out / "report.html")
     ppl, base_ppl = results["quality"]["perplexity"], results["quality"]["baseline_perplexity"]
     print(f"perplexity  {ppl:.3f}" + (f" (baseline {base_ppl:.3f})" if base_ppl else ""))
+    kl = results["quality"].get("kl")
+    if kl:
+        print(f"KL          mean {kl['kl_mean']:.5f}  p99 {kl['kl_p99']:.5f}  top-1 {kl['top1_agreement']:.4f}")
     print(f"results     {out / 'results.json'}  report {out / 'report.html'}")
     return 0
 
