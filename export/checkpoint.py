@@ -6,6 +6,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 from torch import nn
 
@@ -25,15 +26,23 @@ def save(model: nn.Module, tokenizer, out_dir: str | Path, cfg: ExportConfig,
     The manifest is written last into the staging folder, so a folder at out_dir is always
     whole; a crash leaves at most a hidden `.NAME.partial-*` folder.
     """
+    return write_staged(out_dir, cfg.overwrite, extra_files,
+                        lambda staging: FORMATS[cfg.format].write(model, tokenizer, staging, cfg, extra_files or {}))
+
+
+def write_staged(out_dir: str | Path, overwrite: bool, extra_files: dict[str, str] | None,
+                 write: Callable[[Path], None]) -> Path:
+    """write(staging) fills a hidden folder beside out_dir; the manifest goes in last and the folder
+    is renamed into place, so a folder at out_dir is always whole."""
     out_dir = Path(out_dir)
     for name in extra_files or {}:
         check_plain_name(name, "extra file name")
-    check_output_dir(out_dir, cfg.overwrite)
+    check_output_dir(out_dir, overwrite)
     staging = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
     staging.mkdir(parents=True)
     try:
         with out_of_space_names(out_dir, "cannot write the checkpoint"):
-            FORMATS[cfg.format].write(model, tokenizer, staging, cfg, extra_files or {})
+            write(staging)
             write_manifest(staging)
         publish(staging, out_dir)
     except BaseException:

@@ -10,9 +10,7 @@ resident export writes. Memory: one layer and the outer tensors; disk: the parts
 """
 from __future__ import annotations
 
-import shutil
 import tempfile
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
@@ -23,12 +21,10 @@ from torch import nn
 from lowbit.calibrate.arch import Arch, decoder_layers
 from lowbit.calibrate.walker import LayerSource
 
-from .checkpoint import check_output_dir, check_plain_name, publish
+from .checkpoint import write_staged
 from .config import ExportConfig
-from .files import out_of_space_names
 from .formats.hf_folder import WEIGHTS, weights_to
 from .formats.registry import FORMATS
-from .manifest import write_manifest
 from .safetensors_join import join_safetensors, write_part
 
 # what a portion pass may do besides collecting tensors: audit the resident modules, for instance
@@ -40,23 +36,14 @@ def save_streamed(model: nn.Module, tokenizer, out_dir: str | Path, cfg: ExportC
                   check: Optional[PortionCheck] = None) -> Path:
     """Write the checkpoint of a streamed model into out_dir, atomically (as checkpoint.save)."""
     out_dir = Path(out_dir)
-    for name in extra_files or {}:
-        check_plain_name(name, "extra file name")
-    check_output_dir(out_dir, cfg.overwrite)
-    staging = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
-    staging.mkdir(parents=True)
-    try:
-        with out_of_space_names(out_dir, "cannot write the checkpoint"), \
-                tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.parts-") as tmp:
+
+    def write(staging: Path) -> None:
+        with tempfile.TemporaryDirectory(dir=staging.parent, prefix=f".{out_dir.name}.parts-") as tmp:
             parts = _write_parts(model, cfg, arch, source, Path(tmp), check)
             metadata = _write_rest(model, tokenizer, staging, cfg, extra_files or {})
             join_safetensors(parts, staging / WEIGHTS, metadata)
-            write_manifest(staging)
-        publish(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out_dir
+
+    return write_staged(out_dir, cfg.overwrite, extra_files, write)
 
 
 def _write_parts(model, cfg: ExportConfig, arch: Arch, source: LayerSource, tmp: Path,
