@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 QUICK = ["evaluate.baseline=false", "evaluate.kl.enabled=false", "evaluate.memory.measure_peak=false",
-         "evaluate.perplexity.max_tokens=256"]
+         "evaluate.perplexity.max_tokens=256", "evaluate.perplexity.context_len=128", "evaluate.perplexity.stride=128"]
 STAGES = ("load_s", "calibrate_s", "quantize_s", "export_s")
 
 
