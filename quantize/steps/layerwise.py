@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lowbit.calibrate.distributed import all_sum, round_robin, sum_int
+from lowbit.calibrate.distributed import all_sum, round_robin, sum_int, world
 from lowbit.calibrate.hardware import cpu_info
 from lowbit.calibrate.walker import record_linear_inputs, walk
 from lowbit.quantize.steps.context import StepContext
@@ -107,6 +107,10 @@ def _collect_hessians(layer: nn.Module, names: list[str], inputs, device):
 
 
 def merge_ranks(acc: HessianAccumulator) -> None:
-    """acc becomes the Hessian of every rank's tokens: the float64 sums of XᵀX and the token
-    counts added (never a mean of means)."""
-    acc.sum, acc.tokens = all_sum(acc.sum), sum_int(acc.tokens)
+    """acc becomes the Hessian of every rank's tokens: each rank's running mean H = 2/N·XᵀX turned
+    back into its sum (H·N), the sums and counts added, then divided once (never a mean of means)."""
+    if world().size == 1:
+        return
+    tokens = sum_int(acc.tokens)
+    acc.H = all_sum(acc.H * acc.tokens) / max(tokens, 1)
+    acc.tokens = tokens
