@@ -159,14 +159,19 @@ def check_device_name(name: str, key: str) -> None:
 
 
 def resolve_device(name: str, key: str = "calibration.device"):
-    """The torch device `name` stands for here: auto is the first GPU where torch sees one, else
-    the CPU; a GPU asked for that is not there is an error naming the key."""
+    """The torch device `name` stands for here: auto is the first GPU where torch sees one (in one
+    process), else the CPU; a GPU asked for that is not there is an error naming the key."""
     import torch
+
+    from .distributed import world
 
     check_device_name(name, key)
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() and world().size == 1 else "cpu"
     device = torch.device(name)
+    if device.type == "cuda" and world().size > 1:
+        raise ValueError(f"{key} is {name!r}, but calibration across processes (--nproc, torchrun) runs on "
+                         "the CPU with gloo for now (NCCL on GPUs is not wired); use --device cpu")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (device.index or 0) >= count:

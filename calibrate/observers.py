@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .distributed import all_max
 from .progress import Progress
 
 
@@ -47,7 +48,7 @@ def linear_input_absmax(model: nn.Module, names: list[str], batches: torch.Tenso
     missing = [n for n, o in observers.items() if o.value is None]
     if missing:
         raise RuntimeError(f"no input reached {missing[:3]} during calibration")
-    return {name: o.value for name, o in observers.items()}
+    return {name: all_max(o.value) for name, o in observers.items()}  # over every rank's samples
 
 
 def _observe(observer: ChannelAbsMax):
@@ -90,4 +91,5 @@ def cached_kv_absmax(model: nn.Module, batches: torch.Tensor, micro_batch: int =
     if missing:
         raise ValueError(f"layers {missing} never wrote to the KV cache; this architecture "
                          f"({model.config.model_type}) does not cache through transformers' Cache.update")
-    return {name: torch.stack([per_layer[i] for i in range(n_layers)]) for name, per_layer in stats.items()}
+    return {name: all_max(torch.stack([per_layer[i] for i in range(n_layers)]))  # over every rank's samples
+            for name, per_layer in stats.items()}

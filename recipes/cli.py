@@ -11,6 +11,9 @@ from lowbit.evaluate.config import MissingPackageError
 from lowbit.export.config import DTYPES, GGUF_TYPES
 from lowbit.export.formats.registry import FORMATS
 
+from lowbit.calibrate.distributed import PeerFailure
+
+from .ranks import PEER_EXIT, as_rank, error_prefix, error_stream, launched, relaunch, report_crash
 from .schema import load_recipe, shipped_recipes
 from .validate import RecipeError
 
@@ -22,10 +25,11 @@ ALLOW_PICKLE_HELP = ("load pickle-based *.bin weights (through torch.load(weight
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what --nproc re-launches
     try:
         return args.handler(args)
-    except (RecipeError, OSError, ValueError, MissingPackageError) as err:  # OSError: missing files,
-        # permissions, disk full
+    except (RecipeError, OSError, ValueError, MissingPackageError, PeerFailure) as err:  # OSError: missing
+        # files, permissions, disk full; PeerFailure: a collective another rank left
         print(f"lowbit: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line saying what a rerun with --resume can use
@@ -51,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
     run.add_argument("--device", metavar="auto|cpu|cuda|cuda:N",
                      help="where calibration runs (overrides calibration.device; default auto: a GPU if torch sees one)")
+    run.add_argument("--nproc", type=int, default=1, metavar="N",
+                     help="calibrate in N processes (torchrun, gloo on CPU): samples split across them, "
+                          "statistics all-reduced, linears solved round-robin; rank 0 writes")
     run.set_defaults(handler=_cmd_run)
     export = sub.add_parser("export", help="rewrite a checkpoint in another format")
     export.add_argument("checkpoint", help="checkpoint folder (lowbit's, or compressed-tensors from other tools)")
@@ -112,6 +119,23 @@ def _add_eval_commands(sub) -> None:
 
 
 def _cmd_run(args) -> int:
+    if args.nproc != 1 and not launched():
+        return relaunch(args.argv, args.nproc)
+    if not launched():
+        return _run(args)
+    with as_rank() as rank:
+        try:  # here, while the rank is known and its errors reach the real stderr
+            code = _run(args)
+        except (RecipeError, OSError, ValueError, MissingPackageError, PeerFailure) as err:
+            print(f"lowbit: error: {error_prefix()}{err}", file=error_stream())
+            return PEER_EXIT if isinstance(err, PeerFailure) else 2
+        except Exception as err:
+            report_crash(err)
+            return 1
+        return code if rank.main else 0
+
+
+def _run(args) -> int:
     from .run import run
 
     overrides = list(args.set)
@@ -126,7 +150,8 @@ def _cmd_run(args) -> int:
     recipe = load_recipe(args.recipe, tuple(overrides))
     output = args.run_output = Path(args.output or f"runs/{recipe.name}-{Path(recipe.model).name}")
     results = run(recipe, output, resume=args.resume)
-    _print_summary(results, output)
+    if results:  # {} on ranks other than 0, which write nothing
+        _print_summary(results, output)
     return 0
 
 

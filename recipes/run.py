@@ -14,6 +14,7 @@ import yaml
 
 from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.data import calibration_batches
+from lowbit.calibrate.distributed import SHARE_UNIT, broadcast_json, sample_share, world
 from lowbit.calibrate.hardware import cpu_info, resolve_device
 from lowbit.calibrate.models import load_model
 from lowbit.evaluate.baseline import cached_baseline
@@ -59,12 +60,18 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
     """recipe -> load and calibrate -> quantize -> audit -> export -> evaluate -> report; returns
     results.json's content. With resume, continue an interrupted run of the same recipe where it
     stopped: from its last finished layer, or, when it had exported, with the evaluation alone."""
+    if not world().main:  # under torchrun: the other ranks calibrate with rank 0, which alone writes
+        from .ranks import calibrate_only
+
+        return calibrate_only(recipe)
     output = Path(output)
     with output_lock(output), out_of_space_names(output, "cannot write the run for output"):
         checkpoint.check_output_dir(output, recipe.export.overwrite)  # fail before hours of work
         with RunProgress.open(output, recipe.to_dict(), resume) as progress:
             print(f"[lowbit] CPU: {cpu_info().describe()}", file=sys.stderr)  # what CPU choices were made for
-            exported = progress.exported() or quantize_and_export(recipe, progress)
+            exported = progress.exported()
+            broadcast_json(exported is None, 0)  # whether the other ranks calibrate (ranks.calibrate_only)
+            exported = exported or quantize_and_export(recipe, progress)
             gc.collect()  # the calibrated model is gone before the checkpoint is reloaded
             seconds = dict(exported["seconds"])  # load, calibrate, quantize, export: done once
             with timer(seconds)("evaluate_s"):
@@ -140,7 +147,8 @@ def apply_steps(recipe: Recipe, ctx: StepContext, progress: RunProgress, timed) 
     """Each step of the recipe in order, its finished layers kept by progress; what each did."""
     steps = []
     for index, step in enumerate(recipe.steps):
-        ctx.layer_store = progress.step(index)
+        # under torchrun a rank's hidden states are its share only: layers are kept in one process
+        ctx.layer_store = progress.step(index) if world().size == 1 else None
         start = time.perf_counter()
         with timed("quantize_s"):
             detail = STEPS[step.name].apply(ctx, step.config)
@@ -181,4 +189,8 @@ def _batches(recipe: Recipe, tokenizer, timed) -> torch.Tensor:
     with timed("calibrate_s"):
         print(f"[lowbit] calibration data: {recipe.calibration.samples} samples × "
               f"{recipe.calibration.seq_len} tokens of {recipe.calibration.dataset!r}", file=sys.stderr)
-        return calibration_batches(recipe.calibration, tokenizer)
+        batches = calibration_batches(recipe.calibration, tokenizer)
+        share = sample_share(len(batches), SHARE_UNIT)  # all of them in one process
+        if world().size > 1:
+            print(f"[lowbit] {world().describe()} calibrates on samples {share.start}-{share.stop - 1}", file=sys.stderr)
+        return batches[share]

@@ -25,6 +25,7 @@ from torch import nn
 
 from lowbit.calibrate.arch import Arch, decoder_layers, matches_name
 from lowbit.calibrate.checks import check_finite_weights, safetensors_files
+from lowbit.calibrate.distributed import world
 from lowbit.calibrate.hardware import available_memory_bytes
 from lowbit.calibrate.models import load_tokenizer, resolve_model_path
 from lowbit.calibrate.observers_walked import walked_kv_absmax, walked_linear_input_absmax
@@ -105,6 +106,8 @@ def streaming_folder(recipe: Recipe) -> Optional[str]:
 
 
 def _cannot_stream(recipe: Recipe, folder: Path) -> str:
+    if world().size > 1:
+        return "a streamed run is one process for now (under --nproc / torchrun every rank loads the model)"
     if not folder.is_dir():
         return (f"{recipe.model} is not a local folder; streaming reads safetensors shards (download it "
                 "first, e.g. `hf download NAME --local-dir DIR`, and pass --model DIR)")

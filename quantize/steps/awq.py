@@ -17,6 +17,7 @@ from typing import Optional, Union
 import torch
 
 from lowbit.calibrate.arch import is_linear, linear_weight
+from lowbit.calibrate.distributed import all_sum, count_before, mean_rows, sum_int, sum_numbers
 from lowbit.calibrate.walker import LayerInputs, first_output, layer_forward, record_linear_inputs, walk
 from lowbit.quantize.grids.gguf_plan import GGUFTypes
 from lowbit.quantize.grids.integer import IntScheme, check_group_size, fake_quantize, grouped, scale_zero_from_range
@@ -103,6 +104,10 @@ class GroupGram:
         self.sum = c if self.sum is None else self.sum + c
         self.tokens += x.shape[0]
 
+    def merge_ranks(self) -> None:
+        """Sums and counts of every rank's tokens (a no-op in one process)."""
+        self.sum, self.tokens = all_sum(self.sum), sum_int(self.tokens)
+
     def result(self) -> torch.Tensor:
         return self.sum / max(self.tokens, 1)  # (G, group, group)
 
@@ -144,14 +149,15 @@ def block_targets(layer, pair) -> list[str]:
     return list(pair.linears)
 
 
-def leading_sequences(inputs: LayerInputs, max_tokens: int) -> LayerInputs:
-    """The first whole sequences holding at least max_tokens tokens (all of them if fewer).
+def leading_sequences(inputs: LayerInputs, max_tokens: int, before: int = 0) -> LayerInputs:
+    """The first whole sequences holding at least max_tokens tokens (all of them if fewer);
+    before: tokens held by earlier ranks, which count first (a later rank may get none).
 
     Keyword tensors with 2+ dims and the micro-batch's size first (attention masks, per-sample
     rotary tables) are sliced with the hidden states; the rest (shared rotaries) are kept.
     """
     out = LayerInputs([], [], [])
-    tokens = 0
+    tokens = before
     for i, hidden in enumerate(inputs.hidden):
         if tokens >= max_tokens:
             break
@@ -206,11 +212,14 @@ class BlockError:
         return hook
 
     def block_input(self) -> torch.Tensor:
-        """(tokens, in) the pair's linears read: the first target's input, padding left out."""
+        """(tokens, in) the pair's linears read: the first target's input, padding left out
+        (no rows on a rank that holds none of the leading sequences)."""
         rows = []
         for (args, kwargs, _), mask in zip(self.calls[self.targets[0]], self.masks):
             x = args[0] if args else kwargs["hidden_states"]
             rows.append(x[mask] if mask is not None else x.reshape(-1, x.shape[-1]))
+        if not rows:
+            return torch.zeros(0, next(iter(self.original.values())).shape[1])
         return torch.cat(rows).float()
 
     @torch.no_grad()
@@ -225,7 +234,7 @@ class BlockError:
                 for (args, kwargs, ref), mask in zip(self.calls[name], self.masks):
                     diff = (first_output(module(*args, **kwargs)) - ref).float().pow(2)
                     total += (diff[mask] if mask is not None else diff).mean().item()
-            return total
+            return sum_numbers(total)[0]  # every rank's micro-batches: all pick the same scale
         finally:
             self.restore()
 
@@ -247,7 +256,7 @@ def scale_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig
     ratios = {}
     for pair, error in zip(pairs, errors):
         channels, index = pair_index(layer, pair)
-        x_mean = to_prev(error.block_input().abs().mean(dim=0).cpu(), index, channels)
+        x_mean = to_prev(mean_rows(error.block_input().abs()).cpu(), index, channels)
         w_mean = to_prev(weight_magnitude([w.float().cpu() for w in error.original.values()], grid),
                          index, channels)
         scale, ratios[pair.prev] = search_scale(x_mean, w_mean, error, cfg)
@@ -272,6 +281,8 @@ def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig,
             grams[name].update(x2d[::stride])
 
     record_linear_inputs(layer, names, inputs, device, update)
+    for gram in {id(g): g for g in grams.values()}.values():  # each shared Gram once, in one order
+        gram.merge_ranks()
     for name in names:
         w = linear_weight(layer.get_submodule(name))  # a view: copying into it updates the module
         if isinstance(grid, GGUFSearchGrid):
@@ -290,7 +301,7 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
     grid, ignore = _search_grid(ctx, cfg)
 
     def on_layer(i, prefix, layer, inputs):
-        sample = leading_sequences(inputs, cfg.max_tokens)
+        sample = leading_sequences(inputs, cfg.max_tokens, count_before(_tokens(inputs)))
         ratios = scale_layer(layer, ctx.arch, prefix, sample, ctx.device, cfg, ignore, grid)
         clipped = clip_layer(layer, ctx.arch, prefix, inputs, ctx.device, cfg, ignore, grid) if cfg.clip else []
         return {"ratios": ratios, "clipped": clipped}
@@ -300,6 +311,10 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
     return {"scaled_pairs": [p.prev for p in ctx.arch.smooth],
             "scale_ratio": [r["ratios"] for r in per_layer],
             "clipped": sorted({n for r in per_layer for n in r["clipped"]})}
+
+
+def _tokens(inputs: LayerInputs) -> int:
+    return sum(h.shape[0] * h.shape[1] for h in inputs.hidden)
 
 
 def _search_grid(ctx: StepContext, cfg: AWQConfig):

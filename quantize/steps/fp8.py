@@ -69,20 +69,26 @@ def _apply_gptq(ctx: StepContext, cfg: FP8Config, targets, input_scales: dict) -
     are left for round-to-nearest."""
     gcfg = cfg.gptq_config
 
-    def solve(prefix, layer, members, H, stats) -> dict:
-        solved = {}
+    def solve(prefix, layer, members, H) -> list:
+        solved = []
         for name in members:  # one solve each: per-tensor and block scales belong to one linear
-            module = layer.get_submodule(name)
             start = time.perf_counter()
-            fw, row_loss, frac, retries = gptq_solve_fp8(linear_weight(module).float(), H, gcfg,
-                                                              cfg.scheme.strategy, cfg.scheme.format,
-                                                              cfg.scheme.block_size)
-            new = FP8Linear.from_weight(fw, module.bias, cfg.activations, input_scales.get(f"{prefix}.{name}"))
-            solved[name] = new.to(module.weight.device)
-            stats[name] = linear_stats(row_loss, frac, retries, time.perf_counter() - start)
+            fw, row_loss, frac, retries = gptq_solve_fp8(linear_weight(layer.get_submodule(name)).float(), H, gcfg,
+                                                         cfg.scheme.strategy, cfg.scheme.format,
+                                                         cfg.scheme.block_size)
+            solved.append((fw, row_loss, frac, retries, time.perf_counter() - start))
         return solved
 
-    layers, forward_dtype = walk_solving(ctx, gcfg, targets, solve)
+    def install(prefix, layer, members, result, stats) -> dict:
+        modules = {}
+        for name, (fw, row_loss, frac, retries, seconds) in zip(members, result):
+            module = layer.get_submodule(name)
+            new = FP8Linear.from_weight(fw, module.bias, cfg.activations, input_scales.get(f"{prefix}.{name}"))
+            modules[name] = new.to(module.weight.device)
+            stats[name] = linear_stats(row_loss, frac, retries, seconds)
+        return modules
+
+    layers, forward_dtype = walk_solving(ctx, gcfg, targets, solve, install)
     inside = {n for layer in layers for n in layer["linears"]}
     return {"rounding": "gptq", "forward_dtype": forward_dtype, "layers": layers,
             "round_to_nearest": [n for n in targets.linears if n not in inside],

@@ -42,23 +42,31 @@ def round_each(ctx: StepContext, types: GGUFTypes, label: str = "rtn") -> dict:
             "types": {n: s.type for n, s in schemes.items()}}
 
 
-def solve_layer_group(layer, prefix: str, members: list[str], H: torch.Tensor, cfg, schemes: dict,
-                      stats: dict) -> dict:
+def solve_layer_group(layer, prefix: str, members: list[str], H: torch.Tensor, cfg, schemes: dict) -> list:
     """GPTQ for linears sharing one input: one solve per GGML type (rows stacked, as rows are
-    independent given H), the rounded weights written back for later groups to see."""
-    solved = {}
+    independent given H). Pure: [(names, GGUFWeight, row_loss, damping, retries, seconds)]."""
     by_type: dict[str, list[str]] = {}
     for name in members:
         by_type.setdefault(schemes[f"{prefix}.{name}"].type, []).append(name)
+    parts = []
     for kind, names in by_type.items():
-        modules = [layer.get_submodule(n) for n in names]
-        weights = [linear_weight(m) for m in modules]
+        weights = [linear_weight(layer.get_submodule(n)) for n in names]
         start = time.perf_counter()
         gw, row_loss, frac, retries = gptq_solve_gguf(torch.cat([w.float() for w in weights]), H, cfg,
                                                       GGUFScheme(kind))
-        seconds = (time.perf_counter() - start) / len(names)
+        parts.append((names, gw, row_loss, frac, retries, (time.perf_counter() - start) / len(names)))
+    return parts
+
+
+def install_layer_group(layer, parts: list, stats: dict) -> dict:
+    """solve_layer_group's weights split back per linear as GGUFLinears, the rounded weights
+    written back for later groups to see."""
+    solved = {}
+    for names, gw, row_loss, frac, retries, seconds in parts:
         row = 0
-        for name, module, w in zip(names, modules, weights):
+        for name in names:
+            module = layer.get_submodule(name)
+            w = linear_weight(module)
             rows = slice(row, row + w.shape[0])
             row += w.shape[0]
             part = gw.row_slice(rows)

@@ -22,7 +22,7 @@ from lowbit.quantize.grids.quantized_weight import QuantizedWeight, quantize_rtn
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.steps import gguf_rounding
 from lowbit.quantize.steps.context import StepContext
-from lowbit.quantize.steps.gptq_solver import gptq_solve
+from lowbit.quantize.steps.gptq_solver import GPTQResult, gptq_solve
 from lowbit.quantize.steps.layerwise import damping_retries, linear_stats, walk_solving
 from lowbit.quantize.steps.spec import WALK, StepSpec
 from lowbit.quantize.targets import replace_module, select_targets
@@ -77,14 +77,15 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
         check_group_size(cfg.scheme, linear_weight(module).shape[1], name)
     outside = {n: m for n, m in targets.linears.items() if not n.startswith(ctx.arch.layers + ".")}
 
-    def solve(prefix, layer, members, H, stats) -> dict:
+    def install(prefix, layer, members, result, stats) -> dict:
         solved = {}
-        for name, qw in _solve_shared(layer, members, H, cfg, stats).items():
+        for name, qw in _install_shared(layer, members, result, stats).items():
             old = layer.get_submodule(name)
             solved[name] = QuantLinear.from_quantized(qw, old.bias).to(old.weight.device)
         return solved
 
-    layers, forward_dtype = walk_solving(ctx, cfg, targets, solve)
+    layers, forward_dtype = walk_solving(ctx, cfg, targets, lambda p, layer, m, H: _solve_shared(layer, m, H, cfg),
+                                         install)
     for name, module in outside.items():  # lm_head etc. see no decoder-layer inputs: RTN
         warnings.warn(f"{name} is outside the decoder layers; quantized round-to-nearest, not GPTQ")
         replace_module(ctx.model, name, QuantLinear.from_quantized(quantize_rtn(linear_weight(module), cfg.scheme),
@@ -98,33 +99,41 @@ def _apply_gguf(ctx: StepContext, cfg: GPTQConfig) -> dict:
     targets, schemes = gguf_rounding.planned_targets(ctx, cfg.scheme)
     outside = {n: m for n, m in targets.linears.items() if not n.startswith(ctx.arch.layers + ".")}
 
-    def solve(prefix, layer, members, H, stats) -> dict:
-        return gguf_rounding.solve_layer_group(layer, prefix, members, H, cfg, schemes, stats)
+    def solve(prefix, layer, members, H):
+        return gguf_rounding.solve_layer_group(layer, prefix, members, H, cfg, schemes)
 
-    layers, forward_dtype = walk_solving(ctx, cfg, targets, solve)
+    def install(prefix, layer, members, result, stats) -> dict:
+        return gguf_rounding.install_layer_group(layer, result, stats)
+
+    layers, forward_dtype = walk_solving(ctx, cfg, targets, solve, install)
     return {"quantized": list(targets.linears), "ignored": targets.ignored, "forward_dtype": forward_dtype,
             "round_to_nearest": gguf_rounding.round_outside(ctx, outside, schemes),
             "types": {n: s.type for n, s in schemes.items()},
             "damping_retries": damping_retries(layers), "layers": layers}
 
 
-def _solve_shared(layer, members, H, cfg: GPTQConfig, stats: dict) -> dict[str, QuantizedWeight]:
-    """One GPTQ solve for linears sharing an input (rows stacked), then split back per linear."""
-    solved = {}
-    modules = [layer.get_submodule(n) for n in members]
-    weights = [linear_weight(m) for m in modules]
+def _solve_shared(layer, members, H, cfg: GPTQConfig) -> tuple[GPTQResult, float]:
+    """One GPTQ solve for linears sharing an input (rows stacked); and its seconds per linear."""
+    weights = [linear_weight(layer.get_submodule(n)) for n in members]
     start = time.perf_counter()
     result = gptq_solve(torch.cat([w.float() for w in weights]), H, cfg)
-    seconds = (time.perf_counter() - start) / len(members)
+    return result, (time.perf_counter() - start) / len(members)
+
+
+def _install_shared(layer, members, solved: tuple[GPTQResult, float], stats: dict) -> dict[str, QuantizedWeight]:
+    """The stacked solve split back per linear, each one's rounded values written into it."""
+    result, seconds = solved
+    out = {}
     row = 0
-    for name, module, w in zip(members, modules, weights):
+    for name in members:
+        w = linear_weight(layer.get_submodule(name))
         rows = slice(row, row + w.shape[0])
         row += w.shape[0]
         qw = _row_slice(result.weight, rows)
-        linear_weight(module).copy_(qw.dequantize())  # later groups see the quantized layer
-        solved[name] = qw
+        w.copy_(qw.dequantize())  # later groups see the quantized layer
+        out[name] = qw
         stats[name] = linear_stats(result.row_loss[rows], result.dampening_frac, result.retries, seconds)
-    return solved
+    return out
 
 
 def _row_slice(qw: QuantizedWeight, rows: slice) -> QuantizedWeight:

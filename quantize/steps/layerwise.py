@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lowbit.calibrate.distributed import all_sum, round_robin, sum_int, world
 from lowbit.calibrate.hardware import cpu_info
 from lowbit.calibrate.walker import record_linear_inputs, walk
 from lowbit.quantize.steps.context import StepContext
@@ -33,13 +34,15 @@ def resolve_forward_dtype(name: str, device) -> torch.dtype:
     return torch.float32
 
 
-def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve) -> tuple[list[dict], str]:
-    """Walk the decoder layers; per linear group, record its inputs' Hessians and call
-    solve(prefix, layer, names sharing one input, H, stats) -> {name: replacement module}.
-    The layer's linears are replaced once all its groups are solved, and its quantized outputs
-    feed the next layer. With cfg.true_sequential, solve must also write the rounded values into
-    the float linears, so that later groups record what they will see (as _solve_shared does).
-    Returns the per-layer records and the forwards' dtype."""
+def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> tuple[list[dict], str]:
+    """Walk the decoder layers; per linear group, record its inputs' Hessians (summed over all
+    ranks' samples), then per set of linears sharing one input: result = solve(prefix, layer,
+    names, H), pure, on one rank (round-robin), its result sent to all; then on every rank
+    install(prefix, layer, names, result, stats) -> {name: replacement module}. The layer's linears
+    are replaced once all its groups are solved, and its quantized outputs feed the next layer.
+    With cfg.true_sequential, install must also write the rounded values into the float linears,
+    so that later groups record what they will see. Returns the per-layer records and the
+    forwards' dtype."""
 
     def on_layer(i, prefix, layer, inputs):
         start = time.perf_counter()
@@ -49,8 +52,10 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve) -> tuple[lis
         solved: dict[str, nn.Module] = {}
         for group in filter(None, groups):
             hessians, sharing = _collect_hessians(layer, group, inputs, ctx.device)
-            for lead, members in sharing.items():
-                solved.update(solve(prefix, layer, members, hessians.pop(lead).H, stats))
+            units = [(members, hessians.pop(lead).H) for lead, members in sharing.items()]
+            results = round_robin(units, lambda unit: solve(prefix, layer, *unit))
+            for (members, _), result in zip(units, results):
+                solved.update(install(prefix, layer, members, result, stats))
         for name, module in solved.items():
             replace_module(layer, name, module)
         return {"layer": prefix, "seconds": round(time.perf_counter() - start, 3),
@@ -96,4 +101,16 @@ def _collect_hessians(layer: nn.Module, names: list[str], inputs, device):
         last["x"], last["lead"] = x2d, name
 
     record_linear_inputs(layer, names, inputs, device, record)
+    for accumulator in hessians.values():  # the same order on every rank
+        merge_ranks(accumulator)
     return hessians, sharing
+
+
+def merge_ranks(acc: HessianAccumulator) -> None:
+    """acc becomes the Hessian of every rank's tokens: each rank's running mean H = 2/N·XᵀX turned
+    back into its sum (H·N), the sums and counts added, then divided once (never a mean of means)."""
+    if world().size == 1:
+        return
+    tokens = sum_int(acc.tokens)
+    acc.H = all_sum(acc.H * acc.tokens) / max(tokens, 1)
+    acc.tokens = tokens

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lowbit.calibrate.arch import SmoothPair, linear_weight
+from lowbit.calibrate.distributed import all_max, all_sum, mean_of, sum_int
 from lowbit.calibrate.observers import ChannelAbsMax
 from lowbit.calibrate.walker import LayerInputs
 from lowbit.quantize.grids.inputs import InputQuant, per_token_scale
@@ -47,12 +48,15 @@ class InputCollector:
         self.rows.append(x2d[:: self.stride].clone())
 
     def result(self) -> PairInput:
-        return PairInput(self.absmax.value, self.abs_sum / max(self.count, 1), torch.cat(self.rows))
+        """Over every rank's tokens (the sample stays this rank's share of the global sample)."""
+        count = sum_int(self.count)
+        return PairInput(all_max(self.absmax.value), all_sum(self.abs_sum) / max(count, 1), torch.cat(self.rows))
 
 
 def token_stride(hidden: list[torch.Tensor], max_tokens: int) -> int:
-    """Keep every k-th token so that about max_tokens remain for the searches."""
-    total = sum(h.shape[0] * h.shape[1] for h in hidden)
+    """Keep every k-th token so that about max_tokens remain for the searches (counting every
+    rank's tokens: each micro-batch restarts the stride, so the ranks' picks are one process's)."""
+    total = sum_int(sum(h.shape[0] * h.shape[1] for h in hidden))
     return max(1, -(-total // max_tokens))
 
 
@@ -116,4 +120,4 @@ class PairError:
         if self.quant_input is not None:
             xs = self.quant_input(xs)
         out = xs @ self.quant_weight(self.w * col_scale).t()
-        return (out - self.reference).pow(2).mean().item()
+        return mean_of((out - self.reference).pow(2))  # over every rank's sampled tokens
