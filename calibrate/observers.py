@@ -87,9 +87,15 @@ def cached_kv_absmax(model: nn.Module, batches: torch.Tensor, micro_batch: int =
         cache = Cache(layers=[_AbsmaxRecordingLayer(stats, i) for i in range(n_layers)])
         model(input_ids=chunk.to(device), cache=cache, use_cache=True)
         progress.step()
+    stacked = stack_kv_stats(stats, n_layers, model)
+    return {name: all_max(per_layer) for name, per_layer in stacked.items()}  # over every rank's samples
+
+
+def stack_kv_stats(stats: dict, n_layers: int, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The per-layer maxima _AbsmaxRecordingLayer gathered, as (layers, kv_heads) tensors; a layer
+    that never wrote to the cache is an error naming it."""
     missing = [i for i in range(n_layers) if i not in stats["k_absmax"]]
     if missing:
         raise ValueError(f"layers {missing} never wrote to the KV cache; this architecture "
                          f"({model.config.model_type}) does not cache through transformers' Cache.update")
-    return {name: all_max(torch.stack([per_layer[i] for i in range(n_layers)]))  # over every rank's samples
-            for name, per_layer in stats.items()}
+    return {name: torch.stack([per_layer[i] for i in range(n_layers)]) for name, per_layer in stats.items()}

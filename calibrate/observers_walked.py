@@ -12,7 +12,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .arch import Arch, decoder_layers
-from .observers import ChannelAbsMax, _AbsmaxRecordingLayer
+from .observers import ChannelAbsMax, _AbsmaxRecordingLayer, stack_kv_stats
 from .walker import LayerSource, forward_context, record_linear_inputs, to_device, walk
 
 
@@ -23,7 +23,7 @@ def walked_linear_input_absmax(model: nn.Module, arch: Arch, batches: torch.Tens
     observers: dict[str, ChannelAbsMax] = {}
 
     def on_layer(i, prefix, layer, inputs):
-        names = [n for n in arch.linears if _has(layer, n)]
+        names = list(arch.linears)
         for n in names:
             observers[f"{prefix}.{n}"] = ChannelAbsMax()
         record_linear_inputs(layer, names, inputs, device, lambda n, x: observers[f"{prefix}.{n}"].update(x))
@@ -49,22 +49,10 @@ def walked_kv_absmax(model: nn.Module, arch: Arch, batches: torch.Tensor, source
 
     walk(model, arch, batches, on_layer, device=device, label="observe kv cache", micro_batch=micro_batch,
          final_outputs=False, source=source)
-    missing = [i for i in range(n_layers) if i not in stats["k_absmax"]]
-    if missing:
-        raise ValueError(f"layers {missing} never wrote to the KV cache; this architecture "
-                         f"({model.config.model_type}) does not cache through transformers' Cache.update")
-    return {name: torch.stack([per_layer[i] for i in range(n_layers)]) for name, per_layer in stats.items()}
+    return stack_kv_stats(stats, n_layers, model)
 
 
 def _cache_argument(layer: nn.Module) -> str:
     """What the decoder layer calls its cache: `cache` in recent transformers, `past_key_values` before."""
     params = inspect.signature(layer.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
-
-
-def _has(layer: nn.Module, name: str) -> bool:
-    try:
-        layer.get_submodule(name)
-        return True
-    except AttributeError:
-        return False

@@ -46,7 +46,8 @@ def write_part(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | No
     header, offset = ({"__metadata__": dict(metadata)} if metadata else {}), 0
     for name, tensor in tensors.items():
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)

@@ -6,6 +6,10 @@ from lowbit.evaluate.perplexity import bos_id
 
 
 def preflight(recipe, model, tokenizer) -> None:
-    check_finite_weights(model)  # NaN/inf weights: every scale would be NaN
+    check_finite_weights(model)  # NaN/inf weights: every scale would be NaN (streamed: per layer, as read)
+    preflight_tokenizer(recipe, tokenizer)
+
+
+def preflight_tokenizer(recipe, tokenizer) -> None:
     if recipe.evaluate.perplexity.bos:
         bos_id(tokenizer)  # raises, naming evaluate.perplexity.bos, if the tokenizer has no BOS/EOS

@@ -20,7 +20,7 @@ from lowbit.calibrate.models import load_model
 from lowbit.evaluate.baseline import cached_baseline
 from lowbit.evaluate.evaluation import evaluate
 from lowbit.evaluate.memory import model_weight_bytes
-from lowbit.evaluate.perplexity import bos_id, perplexity
+from lowbit.evaluate.perplexity import perplexity
 from lowbit.evaluate.report import write_report
 from lowbit.evaluate.results import ModelInfo, Results
 from lowbit.evaluate.suite import Reference
@@ -36,7 +36,7 @@ from lowbit.quantize.audit import damping_notes
 
 from .audit import audit_run, expected_schemes
 from .lock import output_lock
-from .preflight import preflight
+from .preflight import preflight, preflight_tokenizer
 from .resume import RunProgress
 from .schema import Recipe
 from .streamed import PortionAudit, apply_steps_streamed, load_skeleton, streaming_folder
@@ -93,9 +93,7 @@ def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
     model, tokenizer, seconds["load_s"] = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
                                                      allow_pickle=recipe.allow_pickle)
     preflight(recipe, model, tokenizer)  # NaN weights, a tokenizer the protocol cannot use: before any work
-    info = {"id": recipe.model, "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
-            "model_type": model.config.model_type,
-            "dtype": str(model.dtype).removeprefix("torch.")}  # what the baseline's quality and speed ran in
+    info = model_info(recipe, model)
     baseline_bytes = model_weight_bytes(model, bytes_per_param=2)  # as a 16-bit checkpoint
     if recipe.evaluate.baseline:  # into the cache evaluate() reads, while the model is still the baseline
         protocol = recipe.evaluate.perplexity
@@ -123,10 +121,8 @@ def quantize_and_export_streamed(recipe: Recipe, progress: RunProgress, folder: 
     seconds: dict = {}
     timed = timer(seconds)
     model, tokenizer, weights, seconds["load_s"] = load_skeleton(recipe, folder)
-    if recipe.evaluate.perplexity.bos:
-        bos_id(tokenizer)  # raises, naming evaluate.perplexity.bos, if the tokenizer has no BOS/EOS
-    info = {"id": recipe.model, "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
-            "model_type": model.config.model_type, "dtype": str(model.dtype).removeprefix("torch.")}
+    preflight_tokenizer(recipe, tokenizer)  # the weights are checked per layer, as they are read
+    info = model_info(recipe, model)
     arch = arch_for(model)
     expected, ignored, kv = expected_schemes(recipe, model, arch)  # from the float skeleton, as audit_run
     ctx = StepContext(model, arch, recipe.ignore, lambda: _batches(recipe, tokenizer, timed),
@@ -141,6 +137,13 @@ def quantize_and_export_streamed(recipe: Recipe, progress: RunProgress, folder: 
                 "audit": audit.report.to_dict(), "seconds": seconds, "streamed_from": folder}
     progress.record_export(exported)
     return exported
+
+
+def model_info(recipe: Recipe, model) -> dict:
+    """results.json's model facts: unique parameters (meta ones count too) and what the baseline's
+    quality and speed ran in."""
+    return {"id": recipe.model, "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+            "model_type": model.config.model_type, "dtype": str(model.dtype).removeprefix("torch.")}
 
 
 def apply_steps(recipe: Recipe, ctx: StepContext, progress: RunProgress, timed) -> list[dict]:
@@ -192,5 +195,6 @@ def _batches(recipe: Recipe, tokenizer, timed) -> torch.Tensor:
         batches = calibration_batches(recipe.calibration, tokenizer)
         share = sample_share(len(batches), SHARE_UNIT)  # all of them in one process
         if world().size > 1:
-            print(f"[lowbit] {world().describe()} calibrates on samples {share.start}-{share.stop - 1}", file=sys.stderr)
+            print(f"[lowbit] {world().describe()} calibrates on samples {share.start}-{share.stop - 1}",
+                  file=sys.stderr)
         return batches[share]

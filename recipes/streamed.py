@@ -12,6 +12,7 @@ streamed run leaves them unquantized (lm_head must stay in `ignore`).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import sys
@@ -196,7 +197,7 @@ def merge_records(records: list[dict]) -> dict:
     for record in records:
         for key, value in record.items():
             if key not in merged:
-                merged[key] = list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
+                merged[key] = copy.copy(value)  # lists and mappings are extended below, not shared
             elif isinstance(value, list):
                 merged[key] += value
             elif isinstance(value, dict):
