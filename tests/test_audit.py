@@ -198,9 +198,9 @@ def test_gptq_layers_that_needed_extra_damping_are_named(monkeypatch):
 
     real, calls = gptq_solver.inverse_hessian_factor, []
 
-    def retried_once_for_the_third_hessian(H, frac):
+    def retried_once_for_the_third_hessian(H, frac, perm=None):
         calls.append(H.shape)
-        U, used, retries = real(H, frac)
+        U, used, retries = real(H, frac, perm)
         return (U, used * 10, retries + 1) if len(calls) == 3 else (U, used, retries)
 
     monkeypatch.setattr(gptq_solver, "inverse_hessian_factor", retried_once_for_the_third_hessian)

@@ -69,12 +69,12 @@ def _apply_gptq(ctx: StepContext, cfg: FP8Config, targets, input_scales: dict) -
     are left for round-to-nearest."""
     gcfg = cfg.gptq_config
 
-    def solve(prefix, layer, members, H) -> list:
+    def solve(prefix, layer, members, hessian) -> list:
         solved = []
         for name in members:  # one solve each: per-tensor and block scales belong to one linear
             start = time.perf_counter()
-            fw, row_loss, frac, retries = gptq_solve_fp8(linear_weight(layer.get_submodule(name)).float(), H, gcfg,
-                                                         cfg.scheme.strategy, cfg.scheme.format,
+            W = linear_weight(layer.get_submodule(name)).float()
+            fw, row_loss, frac, retries = gptq_solve_fp8(W, hessian.H, gcfg, cfg.scheme.strategy, cfg.scheme.format,
                                                          cfg.scheme.block_size)
             solved.append((fw, row_loss, frac, retries, time.perf_counter() - start))
         return solved

@@ -22,7 +22,7 @@ from lowbit.quantize.grids.quantized_weight import QuantizedWeight, quantize_rtn
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.steps import gguf_rounding
 from lowbit.quantize.steps.context import StepContext
-from lowbit.quantize.steps.gptq_solver import GPTQResult, gptq_solve
+from lowbit.quantize.steps.gptq_solver import GPTQResult, HessianAccumulator, gptq_solve
 from lowbit.quantize.steps.layerwise import damping_retries, linear_stats, walk_solving
 from lowbit.quantize.steps.spec import WALK, StepSpec
 from lowbit.quantize.targets import replace_module, select_targets
@@ -84,8 +84,10 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
             solved[name] = QuantLinear.from_quantized(qw, old.bias).to(old.weight.device)
         return solved
 
-    layers, forward_dtype = walk_solving(ctx, cfg, targets, lambda p, layer, m, H: _solve_shared(layer, m, H, cfg),
-                                         install)
+    def solve(prefix, layer, members, hessian):
+        return _solve_shared(layer, members, hessian, cfg)
+
+    layers, forward_dtype = walk_solving(ctx, cfg, targets, solve, install)
     for name, module in outside.items():  # lm_head etc. see no decoder-layer inputs: RTN
         warnings.warn(f"{name} is outside the decoder layers; quantized round-to-nearest, not GPTQ")
         replace_module(ctx.model, name, QuantLinear.from_quantized(quantize_rtn(linear_weight(module), cfg.scheme),
@@ -99,8 +101,8 @@ def _apply_gguf(ctx: StepContext, cfg: GPTQConfig) -> dict:
     targets, schemes = gguf_rounding.planned_targets(ctx, cfg.scheme)
     outside = {n: m for n, m in targets.linears.items() if not n.startswith(ctx.arch.layers + ".")}
 
-    def solve(prefix, layer, members, H):
-        return gguf_rounding.solve_layer_group(layer, prefix, members, H, cfg, schemes)
+    def solve(prefix, layer, members, hessian):
+        return gguf_rounding.solve_layer_group(layer, prefix, members, hessian.H, cfg, schemes)
 
     def install(prefix, layer, members, result, stats) -> dict:
         return gguf_rounding.install_layer_group(layer, result, stats)
@@ -112,11 +114,12 @@ def _apply_gguf(ctx: StepContext, cfg: GPTQConfig) -> dict:
             "damping_retries": damping_retries(layers), "layers": layers}
 
 
-def _solve_shared(layer, members, H, cfg: GPTQConfig) -> tuple[GPTQResult, float]:
-    """One GPTQ solve for linears sharing an input (rows stacked); and its seconds per linear."""
+def _solve_shared(layer, members, hessian: HessianAccumulator, cfg: GPTQConfig) -> tuple[GPTQResult, float]:
+    """One GPTQ solve for linears sharing an input (rows stacked), which takes the Hessian's memory;
+    and its seconds per linear."""
     weights = [linear_weight(layer.get_submodule(n)) for n in members]
     start = time.perf_counter()
-    result = gptq_solve(torch.cat([w.float() for w in weights]), H, cfg)
+    result = gptq_solve(torch.cat([w.float() for w in weights]), hessian, cfg)
     return result, (time.perf_counter() - start) / len(members)
 
 

@@ -6,7 +6,7 @@ a QuantizedWeight (or FP8Weight) out.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -49,39 +49,75 @@ class HessianAccumulator:
         self.H.mul_(self.tokens / total).addmm_(x.t(), x, alpha=2.0 / total)
         self.tokens = total
 
+    def take(self) -> torch.Tensor:
+        """H, handed over: the accumulator lets go of it, so it is freed once its taker is done."""
+        H, self.H = self.H, None
+        return H
+
 
 def quantize_weight(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> QuantizedWeight:
     return gptq_solve(W, H, cfg).weight
 
 
-def inverse_hessian_factor(H: torch.Tensor, dampening_frac: float) -> tuple[torch.Tensor, float, int]:
-    """Upper Cholesky factor U of (H + damp·I)⁻¹, retrying at 10× damping when a factorisation fails."""
+def inverse_hessian_factor(H: torch.Tensor, dampening_frac: float,
+                           perm: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, float, int]:
+    """Upper Cholesky factor U of (H' + damp·I)⁻¹, where H' is H permuted by `perm` with dead inputs
+    (zero diagonal) given a unit diagonal; retried at 10× damping when a factorisation fails.
+
+    Memory: one matrix besides H. The three factorisations (Cholesky, its inverse, the upper Cholesky
+    of that) run in place on one column-major working copy, where LAPACK needs no copy of its own;
+    the textbook chain holds seven matrices at its peak (3.3 GB a copy for a 70B model's down_proj).
+    The factor is bit for bit the textbook chain's (tests/test_quantize_gptq_memory.py)."""
     frac, retries = dampening_frac, 0
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    n = H.shape[0]
+    work = torch.empty(n, n, dtype=torch.float32, device=H.device).mT  # column-major: LAPACK's own layout
+    info = torch.empty((), dtype=torch.int32, device=H.device)
     while True:
-        damped = H + frac * H.diagonal().mean() * eye
-        L, info = torch.linalg.cholesky_ex(damped)
+        _permuted_copy(H, perm, out=work)
+        diagonal = work.diagonal()
+        diagonal[diagonal == 0] = 1.0  # dead inputs: any value works, 1 keeps H positive definite
+        # + 0.0 turns any -0.0 into +0.0 as adding (damp·I) does off its diagonal
+        work.add_(0.0)
+        diagonal.add_(frac * diagonal.mean())
+        torch.linalg.cholesky_ex(work, out=(work, info))
         if info == 0:
-            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
-            if info == 0 and torch.isfinite(U).all():
-                return U, frac, retries
+            torch.cholesky_inverse(work, out=work)
+            torch.linalg.cholesky_ex(work, upper=True, out=(work, info))
+            if info == 0 and _all_finite(work.mT):
+                return work, frac, retries
         if retries == MAX_DAMPING_RETRIES:
             raise ValueError(f"Hessian is not positive definite even with dampening_frac {frac}")
         retries += 1
         frac = max(frac * 10, 1e-3)
 
 
-def gptq_solve(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult:
-    """GPTQ of W (out, in) against the input Hessian H (in, in)."""
+def _all_finite(matrix: torch.Tensor, rows: int = 256) -> bool:
+    """torch.isfinite(matrix).all() without its full-size boolean matrix."""
+    return all(bool(torch.isfinite(block).all()) for block in matrix.split(rows))
+
+
+def _permuted_copy(H: torch.Tensor, perm: Optional[torch.Tensor], out: torch.Tensor, rows: int = 256) -> None:
+    """out = H[perm][:, perm] (or H) in float32, a block of rows at a time: no full-size temporary."""
+    for start in range(0, H.shape[0], rows):
+        if perm is None:
+            out[start : start + rows] = H[start : start + rows]
+        else:
+            out[start : start + rows] = H.index_select(0, perm[start : start + rows]).index_select(1, perm)
+
+
+def gptq_solve(W: torch.Tensor, H: torch.Tensor | HessianAccumulator, cfg: GPTQConfig) -> GPTQResult:
+    """GPTQ of W (out, in) against the input Hessian H (in, in). Given the accumulator instead, the
+    solve takes its matrix and frees it once the inverse-Hessian factor is built, so the sweep holds
+    one (in, in) matrix instead of two."""
     return _single_threaded(_gptq_solve, W, H, cfg)
 
 
 def _gptq_solve(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult:
     scheme = cfg.scheme
-    W, H, perm, U, frac, retries = _prepare(W, H, cfg)
+    W, diagonal, perm, U, frac, retries = _prepare(W, H, cfg)
     rows, cols = W.shape
     lazy_groups = scheme.strategy == "group" and cfg.actorder != "static"
-    importance = H.diagonal() if cfg.scale_search == "mse" else None  # (cols,) processing order
+    importance = diagonal if cfg.scale_search == "mse" else None  # (cols,) processing order
     if lazy_groups:
         grid = LazyColumnGrid(rows, cols, scheme, W.device, importance)
     else:
@@ -90,6 +126,7 @@ def _gptq_solve(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult
     if scheme.strategy == "group":  # keep each group inside one block
         block = max(scheme.group_size, block // scheme.group_size * scheme.group_size)
     Q, row_loss = _solve_blocks(W, U, grid, block)
+    del U  # an (in, in) matrix: freed before the codes' temporaries
     codes = _codes(Q, grid)
     if perm is not None:
         inverse = torch.argsort(perm)
@@ -203,18 +240,25 @@ def _gptq_solve_gguf_lazy(W, H, cfg: GPTQConfig, scheme: GGUFScheme):
     return grid.weight(), row_loss, frac, retries
 
 
-def _prepare(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig):
-    """Float copies with dead inputs zeroed, permuted by act-order, and the inverse-Hessian factor."""
-    W = W.detach().float().clone()
-    H = H.detach().float().clone()
-    dead = H.diagonal() == 0  # inputs that are always zero: any value works, 0 is simplest
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
-    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if cfg.actorder != "none" else None
+def _prepare(W: torch.Tensor, H: torch.Tensor | HessianAccumulator, cfg: GPTQConfig):
+    """W as a float copy with dead inputs zeroed, permuted by act-order; the permuted Hessian's
+    diagonal (dead inputs at 1), the permutation and the inverse-Hessian factor. H is not copied
+    whole: the factor's working matrix is the only other (in, in) matrix alive (and the only one
+    left when H came in an accumulator)."""
+    if isinstance(H, HessianAccumulator):
+        H = H.take()
+    diagonal = H.diagonal().to(torch.float32, copy=True)  # H stays as the caller gave it
+    dead = diagonal == 0  # inputs that are always zero: any value works, 0 is simplest
+    diagonal[dead] = 1.0
+    perm = torch.argsort(diagonal, descending=True, stable=True) if cfg.actorder != "none" else None
+    U, frac, retries = inverse_hessian_factor(H, cfg.dampening_frac, perm)
+    del H  # a taken Hessian is freed here, before W's copy is made
+    W = W.detach().float()
+    W = W.clone() if perm is None else W[:, perm]  # one copy either way
     if perm is not None:
-        W, H = W[:, perm], H[perm][:, perm]
-    U, frac, retries = inverse_hessian_factor(H, cfg.dampening_frac)
-    return W, H, perm, U, frac, retries
+        dead, diagonal = dead[perm], diagonal[perm]
+    W[:, dead] = 0.0
+    return W, diagonal, perm, U, frac, retries
 
 
 def _single_threaded(fn, *args):

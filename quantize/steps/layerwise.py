@@ -52,7 +52,7 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
         solved: dict[str, nn.Module] = {}
         for group in filter(None, groups):
             hessians, sharing = _collect_hessians(layer, group, inputs, ctx.device)
-            units = [(members, hessians.pop(lead).H) for lead, members in sharing.items()]
+            units = [(members, hessians.pop(lead)) for lead, members in sharing.items()]
             results = round_robin(units, lambda unit: solve(prefix, layer, *unit))
             for (members, _), result in zip(units, results):
                 solved.update(install(prefix, layer, members, result, stats))
