@@ -78,8 +78,7 @@ def check_finite_weights(model: nn.Module) -> None:
     Buffers are not checked: some models keep -inf attention masks there on purpose.
     """
     for name, tensor in model.named_parameters():
-        # one float64 sum per tensor (NaN/inf propagate, nothing overflows) is ~10x cheaper than a mask
-        if torch.isfinite(tensor.detach().sum(dtype=torch.float64)):
+        if _sums_are_finite(tensor.detach()):
             continue
         nans = int(torch.isnan(tensor).sum())
         infs = int(torch.isinf(tensor).sum())
@@ -87,3 +86,9 @@ def check_finite_weights(model: nn.Module) -> None:
             f"model weight {name} has {nans} NaN and {infs} inf value(s); "
             "lowbit will not quantize non-finite weights (the checkpoint is corrupt or diverged)"
         )
+
+
+def _sums_are_finite(tensor: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """float64 sums (NaN/inf propagate, nothing overflows; ~10x cheaper than a mask), a chunk at a
+    time: a whole-tensor sum(dtype=float64) widens all of it first (a Llama-3-8B down_proj: 0.47 GB)."""
+    return all(bool(torch.isfinite(part.sum(dtype=torch.float64))) for part in tensor.reshape(-1).split(chunk))

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .checks import SAFE_INDEX, safetensors_files
+from .hardware import return_freed_memory
 
 
 class ShardedWeights:
@@ -69,14 +70,10 @@ class ShardedWeights:
         if missing:
             raise KeyError(f"{self.folder}: no tensor {missing[0]!r} in its safetensors files "
                            f"({len(self.shard_of)} tensors, e.g. {next(iter(self.shard_of), '-')!r})")
-        by_shard: dict[str, list[str]] = {}
-        for name in names:
-            by_shard.setdefault(self.shard_of[name], []).append(name)
         tensors = {}
-        for shard, members in by_shard.items():
-            with open_shard(self.folder / shard) as handle:
-                for name in members:
-                    tensors[name] = _cast(handle.get_tensor(name), dtype, device)
+        for name in names:
+            with open_shard(self.folder / self.shard_of[name]) as handle:
+                tensors[name] = _cast(handle.get_tensor(name), dtype, device)
         return tensors
 
 
@@ -169,6 +166,7 @@ def release_all(model: nn.Module, module: nn.Module) -> None:
         for name, buffer in sub._buffers.items():
             if buffer is not None and name not in sub._non_persistent_buffers_set:
                 sub._buffers[name] = buffer.to("meta")
+    return_freed_memory()  # else the allocator keeps much of it for the next layer to stack on
 
 
 def _replace(model: nn.Module, replaced: dict[int, tuple[nn.Parameter, nn.Parameter]]) -> None:

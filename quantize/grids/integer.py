@@ -92,13 +92,19 @@ def compute_scale_zero(w: torch.Tensor, scheme: IntScheme):
     return scale_zero_from_range(g.amin(dim=-1), g.amax(dim=-1), scheme)
 
 
-def quantize_codes(w, scale, zero, scheme: IntScheme) -> torch.Tensor:
-    """Integer codes (int8, same shape as w) of w on the grid given by scale/zero (rows, G)."""
+def quantize_codes(w, scale, zero, scheme: IntScheme, rows: int = 1024) -> torch.Tensor:
+    """Integer codes (int8, same shape as w) of w on the grid given by scale/zero (rows, G); a block
+    of rows at a time, so the float temporaries are a block's, not the weight's (a 14336-row
+    Llama-3-8B gate_proj: 16 MB instead of 235 MB)."""
     g = grouped(w.float(), scheme)
-    q = torch.round(g / scale.unsqueeze(-1))
-    if zero is not None:
-        q = q + zero.unsqueeze(-1)
-    return q.clamp(scheme.qmin, scheme.qmax).to(torch.int8).reshape(w.shape)
+    codes = torch.empty(g.shape, dtype=torch.int8, device=w.device)
+    for start in range(0, g.shape[0], rows):
+        block = slice(start, start + rows)
+        q = torch.div(g[block], scale[block].unsqueeze(-1)).round_()
+        if zero is not None:
+            q.add_(zero[block].unsqueeze(-1))
+        codes[block] = q.clamp_(scheme.qmin, scheme.qmax)
+    return codes.reshape(w.shape)
 
 
 def dequantize_codes(codes, scale, zero, scheme: IntScheme) -> torch.Tensor:
