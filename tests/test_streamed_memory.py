@@ -1,0 +1,33 @@
+"""The memory savers of a streamed layer keep their results: the finiteness check's chunked sums
+still find a NaN or inf wherever it sits, and codes rounded a block of rows at a time are the
+codes of the whole weight at once."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lowbit.calibrate.checks import check_finite_weights
+from lowbit.quantize.grids.integer import IntScheme, compute_scale_zero, grouped, quantize_codes
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_value_in_a_later_chunk_is_found(bad):
+    layer = nn.Linear(2048, 2100, bias=False)  # 4.3M weights: more than one 4M-element chunk
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.weight[-1, -1] = bad
+    with pytest.raises(ValueError, match="weight .* NaN and .* inf"):
+        check_finite_weights(layer)
+
+
+@pytest.mark.parametrize("scheme", [IntScheme(4, True, "group", 32), IntScheme(4, False, "group", 64),
+                                    IntScheme(8, True, "channel", None), IntScheme(8, True, "tensor", None)])
+def test_codes_rounded_by_row_blocks_equal_the_whole_weight_at_once(scheme):
+    w = torch.randn(300, 256, generator=torch.Generator().manual_seed(0))
+    scale, zero = compute_scale_zero(w, scheme)
+    g = grouped(w, scheme)
+    q = torch.round(g / scale.unsqueeze(-1)) + (0 if zero is None else zero.unsqueeze(-1))
+    textbook = q.clamp(scheme.qmin, scheme.qmax).to(torch.int8).reshape(w.shape)
+    for rows in (7, 300, 10**6):
+        assert torch.equal(quantize_codes(w, scale, zero, scheme, rows=rows), textbook)
