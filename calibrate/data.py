@@ -26,11 +26,17 @@ class CalibrationConfig:
     # true: the model is never resident, each decoder layer is read from its safetensors shards when
     # reached and written out when done; auto: only when it would not fit in memory in float32
     streaming: Literal["auto", True, False] = "auto"
+    # where the activations wait between decoder layers (calibrate/offload.py): auto (the device when
+    # they fit there, else CPU memory, else disk), device, cpu, or disk (files in the run's resume folder)
+    offload: Literal["auto", "device", "cpu", "disk"] = "auto"
 
     def __post_init__(self):
         from .hardware import check_device_name
+        from .offload import OFFLOADS
 
         check_device_name(self.device, "calibration.device")
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"calibration.offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
         if self.samples < 1 or self.seq_len < 2:
             raise ValueError(f"calibration needs samples >= 1 and seq_len >= 2, got samples {self.samples} "
                              f"and seq_len {self.seq_len}")

@@ -6,19 +6,22 @@ maxima do not depend on the order they are taken in, so the figures are the resi
 from __future__ import annotations
 
 import inspect
+from typing import Optional
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
 from .arch import Arch, decoder_layers
+from .offload import Offload
 from .observers import ChannelAbsMax, _AbsmaxRecordingLayer, stack_kv_stats
 from .walker import LayerSource, forward_context, record_linear_inputs, to_device, walk
 
 
 @torch.no_grad()
 def walked_linear_input_absmax(model: nn.Module, arch: Arch, batches: torch.Tensor, source: LayerSource,
-                               device, micro_batch: int = 8) -> dict[str, torch.Tensor]:
+                               device, micro_batch: int = 8,
+                               offload: Optional[Offload] = None) -> dict[str, torch.Tensor]:
     """Full name -> (in_features,) input absmax of every decoder-layer linear of the table."""
     observers: dict[str, ChannelAbsMax] = {}
 
@@ -29,13 +32,13 @@ def walked_linear_input_absmax(model: nn.Module, arch: Arch, batches: torch.Tens
         record_linear_inputs(layer, names, inputs, device, lambda n, x: observers[f"{prefix}.{n}"].update(x))
 
     walk(model, arch, batches, on_layer, device=device, label="observe activations", micro_batch=micro_batch,
-         final_outputs=False, source=source)
+         final_outputs=False, source=source, offload=offload)
     return {name: o.value for name, o in observers.items()}
 
 
 @torch.no_grad()
 def walked_kv_absmax(model: nn.Module, arch: Arch, batches: torch.Tensor, source: LayerSource, device,
-                     micro_batch: int = 8) -> dict[str, torch.Tensor]:
+                     micro_batch: int = 8, offload: Optional[Offload] = None) -> dict[str, torch.Tensor]:
     """{"k_absmax", "v_absmax"}: (layers, kv_heads), as observers.cached_kv_absmax."""
     n_layers = len(decoder_layers(model, arch))
     stats: dict = {"k_absmax": {}, "v_absmax": {}}
@@ -48,7 +51,7 @@ def walked_kv_absmax(model: nn.Module, arch: Arch, batches: torch.Tensor, source
                 layer(to_device(hidden, device), **{**to_device(kwargs, device), key: cache, "use_cache": True})
 
     walk(model, arch, batches, on_layer, device=device, label="observe kv cache", micro_batch=micro_batch,
-         final_outputs=False, source=source)
+         final_outputs=False, source=source, offload=offload)
     return stack_kv_stats(stats, n_layers, model)
 
 

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .arch import Arch, decoder_layers
+from .offload import Offload
 from .progress import Progress
 
 
@@ -117,13 +118,15 @@ def _input_device(model: nn.Module) -> torch.device:
 @torch.no_grad()
 def capture_first_layer_inputs(model, arch: Arch, batches: torch.Tensor, micro_batch: int = 8,
                                attention_mask: Optional[torch.Tensor] = None,
-                               device=None) -> LayerInputs:
+                               device=None, offload: Optional[Offload] = None) -> LayerInputs:
     """Hidden states entering decoder layer 0 and the kwargs each layer receives, per micro-batch.
 
     batches: (samples, seq_len) token ids; attention_mask (same shape, 1 = real token) marks padding.
+    With an offload the hidden states wait where it says (calibrate/offload.py), else on `device`.
     """
     layers = decoder_layers(model, arch)
-    inputs = LayerInputs([], [], [], [[] for _ in layers])
+    inputs = LayerInputs(offload.new() if offload else [], [], [], [[] for _ in layers])
+    home = offload.home(device) if offload else device
     records: dict[int, tuple] = {}
 
     def make_hook(index: int):
@@ -150,7 +153,7 @@ def capture_first_layer_inputs(model, arch: Arch, batches: torch.Tensor, micro_b
                       use_cache=False)
             except _StopForward:
                 pass
-            inputs.hidden.append(to_device(records[0][0], device))
+            inputs.hidden.append(to_device(records[0][0], home))
             for i in range(len(layers)):
                 inputs.layer_kwargs[i].append(to_device(records[i][1], device))
             inputs.token_mask.append(None if mask is None or bool(mask.all()) else mask.bool())
@@ -183,9 +186,10 @@ def forward_context(inputs: LayerInputs, device=None):
 
 
 @torch.no_grad()
-def layer_forward(layer: nn.Module, inputs: LayerInputs, device=None) -> list[torch.Tensor]:
-    """The layer's outputs per micro-batch, computed with the weights it holds now."""
-    outputs = []
+def layer_forward(layer: nn.Module, inputs: LayerInputs, device=None, into=None) -> list[torch.Tensor]:
+    """The layer's outputs per micro-batch, computed with the weights it holds now, where the inputs
+    wait (appended to `into`, an offload container, when given; else a new list)."""
+    outputs = [] if into is None else into
     with forward_context(inputs, device):
         for hidden, kwargs in zip(inputs.hidden, inputs.kwargs):
             out = first_output(layer(to_device(hidden, device), **to_device(kwargs, device)))
@@ -246,17 +250,19 @@ def _layer_device(layer: nn.Module) -> Optional[torch.device]:
 def walk(model, arch: Arch, batches: torch.Tensor, on_layer, device=None, label: str = "walk",
          micro_batch: int = 8, attention_mask: Optional[torch.Tensor] = None,
          forward_dtype: Optional[torch.dtype] = None, final_outputs: bool = True,
-         store: Optional["LayerStore"] = None, source: Optional[LayerSource] = None) -> WalkResult:
+         store: Optional["LayerStore"] = None, source: Optional[LayerSource] = None,
+         offload: Optional[Offload] = None) -> WalkResult:
     """Layer by layer: result_i = on_layer(i, name, layer, inputs), then the layer's new outputs
     become the next layer's inputs. Returns the results (and, with final_outputs, the final
     hidden states; without, the last layer's outputs are never computed). With a store, each
     finished layer is saved, and layers an interrupted run finished are restored, not redone.
-    With a source, each layer is loaded from it when reached and unloaded when done."""
+    With a source, each layer is loaded from it when reached and unloaded when done. With an
+    offload, the activations between layers wait where it says (device, cpu or disk)."""
     if device is None:
         device = torch.device("cpu") if source is not None else _input_device(model)
     device = torch.device(device)
     with source.outer(device) if source is not None else contextlib.nullcontext():
-        inputs = capture_first_layer_inputs(model, arch, batches, micro_batch, attention_mask, device)
+        inputs = capture_first_layer_inputs(model, arch, batches, micro_batch, attention_mask, device, offload)
     inputs.forward_dtype = forward_dtype
     layers = decoder_layers(model, arch)
     progress = Progress(label, len(layers))
@@ -272,12 +278,13 @@ def walk(model, arch: Arch, batches: torch.Tensor, on_layer, device=None, label:
         restored = store.restore(i, prefix, layer) if store is not None else None
         if restored is not None:  # finished by an earlier, interrupted run
             result, hidden = restored
-            inputs.hidden = hidden if hidden is not None else inputs.hidden
+            if hidden is not None:
+                inputs.hidden = offload.keep(hidden, device) if offload else hidden
         else:
             result = on_layer(i, prefix, layer, inputs)
             computed = final_outputs or i < len(layers) - 1
             if computed:
-                inputs.hidden = layer_forward(layer, inputs, device)
+                inputs.hidden = layer_forward(layer, inputs, device, offload.new() if offload else None)
             if store is not None:
                 store.save(i, prefix, layer, result, inputs.hidden if computed else None)
         results.append(result)

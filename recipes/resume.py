@@ -57,9 +57,10 @@ class RunProgress:
     def open(cls, output: Path, recipe: dict, resume: bool) -> "RunProgress":
         folder = resume_dir(Path(output))
         identity = {**{k: recipe.get(k) for k in IDENTITY_KEYS}, "export": _export_identity(recipe)}
-        # where calibration runs and whether it streams do not decide the weights: a run may resume elsewhere
+        # where calibration runs, whether it streams and where activations wait do not decide the
+        # weights: a run may resume elsewhere
         identity["calibration"] = {k: v for k, v in (identity["calibration"] or {}).items()
-                                   if k not in ("device", "streaming")}
+                                   if k not in ("device", "streaming", "offload")}
         kept = kept_in(folder)
         if kept:
             _check_resumable(folder, identity, resume, kept)

@@ -16,6 +16,7 @@ from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.data import calibration_batches
 from lowbit.calibrate.distributed import SHARE_UNIT, broadcast_json, sample_share, world
 from lowbit.calibrate.hardware import cpu_info, resolve_device
+from lowbit.calibrate.offload import resolve_offload
 from lowbit.calibrate.models import load_model
 from lowbit.evaluate.baseline import cached_baseline
 from lowbit.evaluate.evaluation import evaluate
@@ -100,8 +101,7 @@ def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
         with timed("evaluate_s"):
             cached_baseline(recipe.model, protocol, lambda: perplexity(model, tokenizer, protocol))
     arch = arch_for(model)
-    ctx = StepContext(model, arch, recipe.ignore, lambda: _batches(recipe, tokenizer, timed),
-                      device=resolve_device(recipe.calibration.device))
+    ctx = step_context(recipe, model, arch, tokenizer, timed, progress)
     steps = apply_steps(recipe, ctx, progress, timed)
     seconds["quantize_s"] = seconds.get("quantize_s", 0.0) - seconds.get("calibrate_s", 0.0)
     audit = audit_run(model, recipe, arch, steps)  # before export: a failed audit publishes nothing
@@ -112,6 +112,17 @@ def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
                 "seconds": seconds}
     progress.record_export(exported)
     return exported
+
+
+def step_context(recipe: Recipe, model, arch, tokenizer, timed, progress: RunProgress) -> StepContext:
+    """What the steps receive: the model, its layout, the batches (built on first use), the device,
+    and where a walk's activations wait (disk: under the run's resume folder)."""
+    device = resolve_device(recipe.calibration.device)
+    cal = recipe.calibration
+    activation_bytes = cal.samples * cal.seq_len * model.config.get_text_config().hidden_size * 4
+    offload = resolve_offload(cal.offload, device, activation_bytes, progress.folder / "activations")
+    return StepContext(model, arch, recipe.ignore, lambda: _batches(recipe, tokenizer, timed), device=device,
+                       offload=offload)
 
 
 def quantize_and_export_streamed(recipe: Recipe, progress: RunProgress, folder: str) -> dict:
@@ -125,8 +136,7 @@ def quantize_and_export_streamed(recipe: Recipe, progress: RunProgress, folder: 
     info = model_info(recipe, model)
     arch = arch_for(model)
     expected, ignored, kv = expected_schemes(recipe, model, arch)  # from the float skeleton, as audit_run
-    ctx = StepContext(model, arch, recipe.ignore, lambda: _batches(recipe, tokenizer, timed),
-                      device=resolve_device(recipe.calibration.device))
+    ctx = step_context(recipe, model, arch, tokenizer, timed, progress)
     steps, layers = apply_steps_streamed(recipe, ctx, weights, progress, timed)
     seconds["quantize_s"] = seconds.get("quantize_s", 0.0) - seconds.get("calibrate_s", 0.0)
     audit = PortionAudit(expected, ignored, kv, arch, getattr(torch, recipe.export.dtype), tuple(damping_notes(steps)))

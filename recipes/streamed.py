@@ -160,7 +160,7 @@ def observe(ctx: StepContext, kind: Optional[str]) -> dict:
     if kind is None:
         return {}
     observer = {"linear_inputs": walked_linear_input_absmax, "kv": walked_kv_absmax}[kind]
-    return {kind: observer(ctx.model, ctx.arch, ctx.batches, ctx.layer_source, ctx.device)}
+    return {kind: observer(ctx.model, ctx.arch, ctx.batches, ctx.layer_source, ctx.device, offload=ctx.offload)}
 
 
 def apply_per_layer(spec, cfg, ctx: StepContext) -> dict:

@@ -307,7 +307,7 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
         return {"ratios": ratios, "clipped": clipped}
 
     per_layer = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="awq",
-                     store=ctx.layer_store, source=ctx.layer_source)
+                     store=ctx.layer_store, source=ctx.layer_source, offload=ctx.offload)
     return {"scaled_pairs": [p.prev for p in ctx.arch.smooth],
             "scale_ratio": [r["ratios"] for r in per_layer],
             "clipped": sorted({n for r in per_layer for n in r["clipped"]})}

@@ -9,6 +9,7 @@ from torch import nn
 
 from lowbit.calibrate.arch import Arch
 from lowbit.calibrate.observers import cached_kv_absmax, linear_input_absmax
+from lowbit.calibrate.offload import Offload
 from lowbit.calibrate.walker import LayerSource, LayerStore
 
 
@@ -24,6 +25,7 @@ class StepContext:
     # streamed runs: statistics a layer walk observed before the step ("linear_inputs", "kv"), where
     # a resident run observes them through whole-model forwards
     observed: dict = field(default_factory=dict)
+    offload: Optional[Offload] = None  # where a walk's activations wait between layers (None: on device)
     _batches: Optional[torch.Tensor] = None
 
     @property

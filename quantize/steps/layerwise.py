@@ -68,7 +68,7 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
     print(f"[gptq] forward dtype {name} ({cfg.forward_dtype} on {where})", file=sys.stderr)
     layers = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="gptq",
                   micro_batch=cfg.micro_batch, forward_dtype=forward_dtype, final_outputs=False,
-                  store=ctx.layer_store, source=ctx.layer_source)
+                  store=ctx.layer_store, source=ctx.layer_source, offload=ctx.offload)
     return list(layers), name
 
 

@@ -88,7 +88,8 @@ def apply(ctx: StepContext, cfg: SmoothQuantConfig) -> dict:
                          "(an unknown architecture?); add its row to calibrate/arch.py")
     alphas = walk(ctx.model, ctx.arch, ctx.batches,
                   lambda i, name, layer, inputs: smooth_layer(layer, ctx.arch, inputs, ctx.device, cfg),
-                  device=ctx.device, label="smoothquant", store=ctx.layer_store, source=ctx.layer_source)
+                  device=ctx.device, label="smoothquant", store=ctx.layer_store, source=ctx.layer_source,
+                  offload=ctx.offload)
     return {"smoothed_pairs": [p.prev for p in ctx.arch.smooth], "alpha": cfg.alpha,
             "alphas_chosen": alphas if cfg.alpha_grid else None}
 
