@@ -78,8 +78,9 @@ class LayerStore(Protocol):
 
 class LayerSource(Protocol):
     """Where a streamed walk's layers come from: load puts layer `index` (at `prefix`) on `device`
-    before the walk reaches it, unload lets it go after; outer(device) is a context manager that
-    keeps what runs before the first layer (the token embedding) resident while inputs are captured
+    before the walk reaches it, unload lets it go after; outer(device, tokens=ids) is a context manager
+    that keeps what runs before the first layer (of the token embedding, the rows of `ids`) resident
+    while inputs are captured
     (an export asks for the modules outside the layers one at a time: outer_names, and outer's
     dtype and names)."""
 
@@ -261,7 +262,7 @@ def walk(model, arch: Arch, batches: torch.Tensor, on_layer, device=None, label:
     if device is None:
         device = torch.device("cpu") if source is not None else _input_device(model)
     device = torch.device(device)
-    with source.outer(device) if source is not None else contextlib.nullcontext():
+    with source.outer(device, tokens=batches) if source is not None else contextlib.nullcontext():
         inputs = capture_first_layer_inputs(model, arch, batches, micro_batch, attention_mask, device, offload)
     inputs.forward_dtype = forward_dtype
     layers = decoder_layers(model, arch)

@@ -17,7 +17,7 @@ import dataclasses
 import re
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -30,8 +30,8 @@ from lowbit.calibrate.distributed import world
 from lowbit.calibrate.hardware import available_memory_bytes
 from lowbit.calibrate.models import load_tokenizer, resolve_model_path
 from lowbit.calibrate.observers_walked import walked_kv_absmax, walked_linear_input_absmax
-from lowbit.calibrate.streaming import (ShardedWeights, buffers_to, empty_model, materialize, outer_modules,
-                                        release_all)
+from lowbit.calibrate.streaming import (ShardedWeights, buffers_to, embedding_rows, empty_model, materialize,
+                                        outer_modules, release_all)
 from lowbit.quantize.audit import AuditReport, audit_model
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
@@ -69,15 +69,23 @@ class StreamedLayers:
         return [name for name, _ in outer_modules(self.model, self.arch.layers)]
 
     @contextmanager
-    def outer(self, device, dtype=None, names=None):
+    def outer(self, device, dtype=None, names=None, tokens=None):
         """The embedding, final norm and head (never changed by a streamed run) from the shards, in
-        `dtype` (default the calibration dtype); `names` picks some of them (default all)."""
+        `dtype` (default the calibration dtype); `names` picks some of them (default all). Given
+        `tokens` (an input capture, which stops before the head): an untied head is left out and
+        the input embedding holds only the rows of those tokens (embedding_rows)."""
         modules = [(n, m) for n, m in outer_modules(self.model, self.arch.layers) if names is None or n in names]
+        embedding = self.model.get_input_embeddings() if tokens is not None else None
+        if embedding is not None:
+            head = self.model.get_output_embeddings()
+            modules = [(n, m) for n, m in modules if m is not head and m is not embedding]
         buffers_to(self.model, device)
         for name, module in modules:
             materialize(self.model, module, name, self.weights, dtype or CALIBRATION_DTYPE, device)
         try:
-            yield
+            with (embedding_rows(self.model, embedding, self.weights, tokens, dtype or CALIBRATION_DTYPE, device)
+                  if embedding is not None else nullcontext()):
+                yield
         finally:
             for _, module in modules:
                 release_all(self.model, module)

@@ -83,3 +83,25 @@ def test_a_folder_missing_a_shard_or_a_tensor_is_named(tied_folder, tmp_path):
     with pytest.raises(KeyError, match="model.decoder.layers.0.fc1.weight"):
         materialize(model, model.model.decoder.layers[0], "model.decoder.layers.0", ShardedWeights(no_tensor),
                     torch.float32)
+
+
+def test_an_input_capture_reads_only_the_embedding_rows_its_tokens_use(tmp_path):
+    """outer(tokens=ids): the head (here tied to the embedding) stays on meta, the embedding holds one
+    row per distinct id, every lookup gives the full table's row, and afterwards all is meta again."""
+    from transformers import AutoModelForCausalLM
+
+    from lowbit.calibrate.arch import arch_for
+    from lowbit.recipes.streamed import StreamedLayers
+    from tiny_models import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "tiny")
+    full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).get_input_embeddings().weight
+    model = empty_model(folder)
+    source = StreamedLayers(model, arch_for(model), ShardedWeights(folder), [])
+    ids = torch.tensor([[5, 9, 9, 200], [7, 5, 300, 6]])
+    with source.outer("cpu", tokens=ids):
+        embedding = model.get_input_embeddings()
+        assert embedding.weight.shape == (6, full.shape[1])  # 5, 6, 7, 9, 200, 300
+        assert model.get_output_embeddings().weight.is_meta
+        assert torch.equal(embedding(ids), full[ids])
+    assert embedding.weight.is_meta and embedding.weight.shape == full.shape
