@@ -125,17 +125,19 @@ def _gptq_solve(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult
     block = cfg.batch_columns
     if scheme.strategy == "group":  # keep each group inside one block
         block = max(scheme.group_size, block // scheme.group_size * scheme.group_size)
-    Q, row_loss = _solve_blocks(W, U, grid, block)
-    del U  # an (in, in) matrix: freed before the codes' temporaries
+    device, Wt = W.device, W.t().contiguous()
+    del W  # the sweep updates its transposed copy: one weight-sized matrix fewer while it runs
+    Q, row_loss = _solve_blocks(Wt, U, grid, block)
+    del U, Wt  # an (in, in) matrix and the updated weights: freed before the codes are formed
     codes = _codes(Q, grid)
     if perm is not None:
         inverse = torch.argsort(perm)
         codes = codes[:, inverse]
     g_idx = None
     if lazy_groups and perm is not None:
-        g_idx = (torch.arange(cols, device=W.device) // scheme.group_size)[torch.argsort(perm)]
+        g_idx = (torch.arange(cols, device=device) // scheme.group_size)[torch.argsort(perm)]
     scale, zero = grid.result()
-    qw = QuantizedWeight(codes.to(torch.int8), scale, zero, scheme, g_idx)
+    qw = QuantizedWeight(codes, scale, zero, scheme, g_idx)
     return GPTQResult(qw, row_loss, frac, retries)
 
 
@@ -154,7 +156,7 @@ def _gptq_solve_fp8(W, H, cfg: GPTQConfig, strategy: WeightStrategy, fmt: FP8For
     Wp, _, perm, U, frac, retries = _prepare(W, H, cfg)
     # tensor and channel scales are the same in every column: only block scales follow the permutation
     grid = FP8ColumnGrid(per_element if perm is None or strategy != "block" else per_element[:, perm], fmt)
-    Q, row_loss = _solve_blocks(Wp, U, grid, cfg.batch_columns)
+    Q, row_loss = _solve_blocks(Wp.t().contiguous(), U, grid, cfg.batch_columns)
     if perm is not None:
         Q = Q[:, torch.argsort(perm)]
     data = saturating_cast(Q / per_element, fmt)  # exact: Q already lies on the grid
@@ -195,7 +197,7 @@ def _gptq_solve_gguf(W, H, cfg: GPTQConfig, scheme: GGUFScheme):
 def _sweep_fixed(Wp, U, perm, weight: GGUFWeight, S, M, cfg: GPTQConfig):
     """One sweep over the permuted columns onto fixed per-element grids S, M (permuted)."""
     grid = GGUFColumnGrid(S, M, weight.scheme)
-    _, row_loss = _solve_blocks(Wp, U, grid, cfg.batch_columns)
+    _, row_loss = _solve_blocks(Wp.t().contiguous(), U, grid, cfg.batch_columns)
     levels = grid.levels_t.t()
     if perm is not None:
         levels = levels[:, torch.argsort(perm)]
@@ -236,7 +238,7 @@ def _gptq_solve_gguf_lazy(W, H, cfg: GPTQConfig, scheme: GGUFScheme):
     importance = H.diagonal() if cfg.scale_search == "mse" else None
     grid = LazyGGUFColumnGrid(*Wp.shape, scheme, Wp.device, importance, sigma2)
     size = scheme.block_size  # each block inside one batch of columns: begin() sees all of it
-    _, row_loss = _solve_blocks(Wp, U, grid, max(size, cfg.batch_columns // size * size))
+    _, row_loss = _solve_blocks(Wp.t().contiguous(), U, grid, max(size, cfg.batch_columns // size * size))
     return grid.weight(), row_loss, frac, retries
 
 
@@ -273,13 +275,13 @@ def _single_threaded(fn, *args):
         torch.set_num_threads(threads)
 
 
-def _solve_blocks(W: torch.Tensor, U: torch.Tensor, grid, block: int):
-    """The GPTQ sweep over (already permuted) columns. Returns the quantized values (rows, cols),
+def _solve_blocks(Wt: torch.Tensor, U: torch.Tensor, grid, block: int):
+    """The GPTQ sweep over (already permuted) columns of Wt = W.t().contiguous() (cols, rows: a column
+    is a contiguous row there), which it updates in place. Returns the quantized values (rows, cols),
     on the grid, and row losses."""
-    Wt = W.t().contiguous()  # (cols, rows): a column is a contiguous row here
-    rows, cols = W.shape
-    Qt = torch.empty(cols, rows, device=W.device)  # quantized values, on the grid
-    row_loss = torch.zeros(rows, device=W.device)
+    cols, rows = Wt.shape
+    Qt = torch.empty(cols, rows, device=Wt.device)  # quantized values, on the grid
+    row_loss = torch.zeros(rows, device=Wt.device)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
         Wb, Ub = Wt[i1:i2], U[i1:i2, i1:i2]  # Wb is a view: updates land in Wt
@@ -295,10 +297,15 @@ def _solve_blocks(W: torch.Tensor, U: torch.Tensor, grid, block: int):
     return Qt.t(), row_loss
 
 
-def _codes(Q: torch.Tensor, grid) -> torch.Tensor:
-    """Integer codes of Q (rows, cols), whose values already lie on the grid's points."""
+def _codes(Q: torch.Tensor, grid, rows: int = 1024) -> torch.Tensor:
+    """Integer codes (int8) of Q (rows, cols), whose values already lie on the grid's points; a
+    block of rows at a time, so the float temporaries are a block's, not Q's."""
     scale, zero = grid.result()
-    codes = torch.round(Q / scale[:, grid.column_group])
-    if zero is not None:
-        codes += zero[:, grid.column_group]
-    return codes.clamp(grid.scheme.qmin, grid.scheme.qmax)
+    codes = torch.empty(Q.shape, dtype=torch.int8, device=Q.device)
+    for start in range(0, Q.shape[0], rows):
+        block = slice(start, start + rows)
+        values = torch.round(Q[block] / scale[block][:, grid.column_group])
+        if zero is not None:
+            values += zero[block][:, grid.column_group]
+        codes[block] = values.clamp_(grid.scheme.qmin, grid.scheme.qmax)
+    return codes
