@@ -81,4 +81,9 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "fault":
         sys.exit(fault(sys.argv[2], sys.argv[3:]))
-    {"hessian": hessian, "broadcast": broadcast}[mode](sys.argv[2])
+    from lowbit.calibrate.distributed import close
+
+    try:
+        {"hessian": hessian, "broadcast": broadcast}[mode](sys.argv[2])
+    finally:  # left to interpreter exit, gloo's threads sometimes die with "terminate called ..."
+        close()

@@ -53,7 +53,7 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
         for group in filter(None, groups):
             hessians, sharing = _collect_hessians(layer, group, inputs, ctx.device)
             units = [(members, hessians.pop(lead)) for lead, members in sharing.items()]
-            results = round_robin(units, lambda unit: solve(prefix, layer, *unit))
+            results = _largest_first(units, lambda unit: solve(prefix, layer, *unit))
             for (members, _), result in zip(units, results):
                 solved.update(install(prefix, layer, members, result, stats))
         for name, module in solved.items():
@@ -70,6 +70,15 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
                   micro_batch=cfg.micro_batch, forward_dtype=forward_dtype, final_outputs=False,
                   store=ctx.layer_store, source=ctx.layer_source, offload=ctx.offload)
     return list(layers), name
+
+
+def _largest_first(units: list, compute) -> list:
+    """round_robin(units, compute), the largest Hessian solved first and the results in the units'
+    order: a solve that takes its Hessian frees it, so without true_sequential (every Hessian of a
+    layer recorded at once) the smaller solves run without down_proj's f² matrix beside them."""
+    order = sorted(range(len(units)), key=lambda k: -units[k][1].H.shape[0])  # stable: ties keep their order
+    results = round_robin([units[k] for k in order], compute)
+    return [result for _, result in sorted(zip(order, results), key=lambda pair: pair[0])]
 
 
 def linear_stats(row_loss: torch.Tensor, dampening_frac: float, retries: int, seconds: float) -> dict:
