@@ -199,4 +199,3 @@ def return_freed_memory() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
-

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from .hardware import available_memory_bytes
 
@@ -42,8 +43,6 @@ class DiskTensors(Sequence):
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.folder), True)
 
     def append(self, tensor: torch.Tensor) -> None:
-        from safetensors.torch import save_file
-
         save_file({"t": tensor.detach().to("cpu").contiguous()}, str(self._path(self._count)))
         self._count += 1
 
@@ -57,8 +56,6 @@ class DiskTensors(Sequence):
             index += self._count
         if not 0 <= index < self._count:
             raise IndexError(f"activation {index} of {self._count}")
-        from safetensors.torch import load_file
-
         return load_file(str(self._path(index)))["t"]
 
     def _path(self, index: int) -> Path:

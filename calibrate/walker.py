@@ -80,9 +80,8 @@ class LayerSource(Protocol):
     """Where a streamed walk's layers come from: load puts layer `index` (at `prefix`) on `device`
     before the walk reaches it, unload lets it go after; outer(device, tokens=ids) is a context manager
     that keeps what runs before the first layer (of the token embedding, the rows of `ids`) resident
-    while inputs are captured
-    (an export asks for the modules outside the layers one at a time: outer_names, and outer's
-    dtype and names)."""
+    while inputs are captured (an export asks for the modules outside the layers one at a time:
+    outer_names, and outer's dtype and names)."""
 
     def load(self, index: int, prefix: str, layer: nn.Module, device) -> None: ...
 
