@@ -87,12 +87,13 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
     def solve(prefix, layer, members, hessian):
         return _solve_shared(layer, members, hessian, cfg)
 
+    quantized = list(targets.linears)
     layers, forward_dtype = walk_solving(ctx, cfg, targets, solve, install)
     for name, module in outside.items():  # lm_head etc. see no decoder-layer inputs: RTN
         warnings.warn(f"{name} is outside the decoder layers; quantized round-to-nearest, not GPTQ")
         replace_module(ctx.model, name, QuantLinear.from_quantized(quantize_rtn(linear_weight(module), cfg.scheme),
                                                                    module.bias))
-    return {"quantized": list(targets.linears), "ignored": targets.ignored,
+    return {"quantized": quantized, "ignored": targets.ignored,
             "forward_dtype": forward_dtype, "round_to_nearest": list(outside),
             "damping_retries": damping_retries(layers), "layers": layers}
 
@@ -107,8 +108,9 @@ def _apply_gguf(ctx: StepContext, cfg: GPTQConfig) -> dict:
     def install(prefix, layer, members, result, stats) -> dict:
         return gguf_rounding.install_layer_group(layer, result, stats)
 
+    quantized = list(targets.linears)
     layers, forward_dtype = walk_solving(ctx, cfg, targets, solve, install)
-    return {"quantized": list(targets.linears), "ignored": targets.ignored, "forward_dtype": forward_dtype,
+    return {"quantized": quantized, "ignored": targets.ignored, "forward_dtype": forward_dtype,
             "round_to_nearest": gguf_rounding.round_outside(ctx, outside, schemes),
             "types": {n: s.type for n, s in schemes.items()},
             "damping_retries": damping_retries(layers), "layers": layers}

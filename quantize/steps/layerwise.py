@@ -41,8 +41,8 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
     install(prefix, layer, names, result, stats) -> {name: replacement module}. The layer's linears
     are replaced once all its groups are solved, and its quantized outputs feed the next layer.
     With cfg.true_sequential, install must also write the rounded values into the float linears,
-    so that later groups record what they will see. Returns the per-layer records and the
-    forwards' dtype."""
+    so that later groups record what they will see. Each replaced linear leaves targets.linears.
+    Returns the per-layer records and the forwards' dtype."""
 
     def on_layer(i, prefix, layer, inputs):
         start = time.perf_counter()
@@ -58,6 +58,9 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
                 solved.update(install(prefix, layer, members, result, stats))
         for name, module in solved.items():
             replace_module(layer, name, module)
+            # the float module is let go with the layer: streamed, a layer's float32 weights (0.87 GB at
+            # Llama-3-8B widths) were otherwise kept by targets for the whole walk, one more per layer
+            del targets.linears[f"{prefix}.{name}"]
         return {"layer": prefix, "seconds": round(time.perf_counter() - start, 3),
                 "linears": {f"{prefix}.{n}": s for n, s in stats.items()}}
 
