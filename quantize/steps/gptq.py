@@ -121,7 +121,9 @@ def _solve_shared(layer, members, hessian: HessianAccumulator, cfg: GPTQConfig) 
     and its seconds per linear."""
     weights = [linear_weight(layer.get_submodule(n)) for n in members]
     start = time.perf_counter()
-    result = gptq_solve(torch.cat([w.float() for w in weights]), hessian, cfg)
+    # one linear: its own weight (the solve copies it once the Hessian is factored), no stacked copy
+    stacked = weights[0].float() if len(weights) == 1 else torch.cat([w.float() for w in weights])
+    result = gptq_solve(stacked, hessian, cfg)
     return result, (time.perf_counter() - start) / len(members)
 
 
