@@ -6,7 +6,8 @@ unchanged, so a step has one code path and a single-process run stays bit for bi
 Under torchrun every rank loads the model, calibrates its share of the samples and takes part in
 every collective in the same order; statistics are reduced where they are accumulated (sums and
 counts, never averages of averages), so every rank takes the same decisions and holds the same
-model. gloo on CPU, NCCL when calibrating on CUDA (tensors cross on the backend's device).
+model. gloo on CPU; with a GPU per rank, NCCL for the statistics kept on it (tensors cross on
+the backend's device).
 
 A collective that fails (a peer raised and left, or was killed) raises PeerFailure naming this
 rank; every collective, init included, gives up after LOWBIT_DIST_TIMEOUT seconds (1800).
@@ -62,7 +63,7 @@ def launched_size() -> int:
     return int(value)
 
 
-def init_from_env(device=None) -> World:
+def init_from_env() -> World:
     """Join the group torchrun's environment describes (nothing when WORLD_SIZE is 1 or unset)."""
     if launched_size() == 1 or dist.is_initialized():
         return world()
@@ -70,11 +71,27 @@ def init_from_env(device=None) -> World:
     if missing:
         raise ValueError(f"WORLD_SIZE is {os.environ['WORLD_SIZE']} but {', '.join(missing)} "
                          "is not set: launch with torchrun (or lowbit run --nproc N)")
-    cuda = device is not None and torch.device(device).type == "cuda"
-    if cuda:
+    backend = group_backend(gpus_here(), local_world_size())
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s()))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s()))
     return world()
+
+
+def group_backend(gpus: int, ranks_here: int) -> str:
+    """gloo for CPU tensors; where every rank on this machine has a GPU of its own (cuda:LOCAL_RANK),
+    NCCL for CUDA tensors too, so statistics kept on the GPUs are reduced there without a CPU trip.
+    All ranks decide alike: a group whose ranks named different backends would hang."""
+    return "cpu:gloo,cuda:nccl" if 0 < ranks_here <= gpus else "gloo"
+
+
+def gpus_here() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_world_size() -> int:
+    """Ranks on this machine (torchrun's LOCAL_WORLD_SIZE; the whole group when it is not set)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
 def timeout_s() -> float:
@@ -105,13 +122,15 @@ def sample_share(samples: int, unit: int, w: Optional[World] = None) -> slice:
     return slice(min(samples, w.rank * units // w.size * unit), min(samples, (w.rank + 1) * units // w.size * unit))
 
 
-def _backend_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+def backend_device(tensor_device: torch.device, backend: str) -> torch.device:
+    """Where a collective on a tensor of tensor_device runs: CUDA tensors stay on their GPU when the
+    group has NCCL; everything else crosses through gloo on the CPU."""
+    return tensor_device if tensor_device.type == "cuda" and "nccl" in backend else torch.device("cpu")
 
 
 def _collective(name: str, fn, tensor: torch.Tensor) -> torch.Tensor:
     """fn(t) on a copy of `tensor` on the backend's device; the result back where tensor was."""
-    t = tensor.detach().to(_backend_device()).contiguous().clone()
+    t = tensor.detach().to(backend_device(tensor.device, str(dist.get_backend()))).contiguous().clone()
     try:
         fn(t)
     except (RuntimeError, dist.DistError) as err:
@@ -161,17 +180,15 @@ def count_before(value: int) -> int:
 
 
 def mean_rows(x: torch.Tensor) -> torch.Tensor:
-    """(channels,) mean over the rows of x (rows, channels) held by all ranks together."""
-    if world().size == 1:
-        return x.mean(dim=0)
+    """(channels,) mean over the rows of x (rows, channels) held by all ranks together: summed in
+    float64 in one process too, so that 1 and N ranks round to the same mean."""
     total = all_sum(torch.cat([x.double().sum(dim=0), torch.tensor([x.shape[0]], dtype=torch.float64)]))
     return (total[:-1] / total[-1].clamp(min=1)).to(x.dtype)
 
 
 def mean_of(t: torch.Tensor) -> float:
-    """Mean of all elements of t over all ranks' pieces (a rank's may be empty)."""
-    if world().size == 1:
-        return t.mean().item()
+    """Mean of all elements of t over all ranks' pieces (a rank's may be empty), summed in float64
+    in one process too (as mean_rows)."""
     total, count = sum_numbers(t.double().sum().item(), t.numel())
     return total / max(count, 1)
 

@@ -166,12 +166,11 @@ def resolve_device(name: str, key: str = "calibration.device"):
     from .distributed import world
 
     check_device_name(name, key)
+    if world().size > 1:
+        return rank_device(name, key)
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() and world().size == 1 else "cpu"
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and world().size > 1:
-        raise ValueError(f"{key} is {name!r}, but calibration across processes (--nproc, torchrun) runs on "
-                         "the CPU with gloo for now (NCCL on GPUs is not wired); use --device cpu")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (device.index or 0) >= count:
@@ -179,6 +178,29 @@ def resolve_device(name: str, key: str = "calibration.device"):
                              f"{'' if count else ' (a CPU-only torch build, or no GPU)'}; valid: auto, cpu"
                              + "".join(f", cuda:{i}" for i in range(count)))
     return device
+
+
+def rank_device(name: str, key: str):
+    """Under torchrun each rank calibrates on its own GPU, cuda:LOCAL_RANK (statistics reduced by
+    NCCL), or every rank on the CPU (gloo); auto takes the GPUs when every rank here has one, as
+    the group's backend does (distributed.group_backend)."""
+    import torch
+
+    from .distributed import gpus_here, local_world_size, world
+
+    gpus, ranks_here = gpus_here(), local_world_size()
+    if name == "cpu" or (name == "auto" and ranks_here > gpus):
+        return torch.device("cpu")
+    if ":" in name:
+        raise ValueError(f"{key} is {name!r}, but under torchrun (--nproc) each rank takes the GPU of its "
+                         "LOCAL_RANK: use cuda, auto or cpu")
+    if gpus == 0:
+        raise ValueError(f"{key} is {name!r}, but torch sees no CUDA device here (a CPU-only torch build, "
+                         "or no GPU); valid: auto, cpu")
+    if ranks_here > gpus:
+        raise ValueError(f"{key} is {name!r}, but {ranks_here} ranks run on this machine and torch sees "
+                         f"{gpus} CUDA device(s): use --nproc {gpus} or fewer, or --device cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 @functools.lru_cache(maxsize=1)

@@ -38,7 +38,7 @@ def hessian(out: str) -> None:
     local_tokens = acc.tokens
     merge_ranks(acc)
     if w.main:
-        save_file({"H": acc.H, "tokens": torch.tensor([acc.tokens, local_tokens])}, out)
+        save_file({"H": acc.take(), "tokens": torch.tensor([acc.tokens, local_tokens])}, out)
 
 
 def broadcast(out: str) -> None:

@@ -28,7 +28,7 @@ def _correlated(tokens=2048, cols=128, rows=64, seed=0):
     W = torch.randn(rows, cols, generator=gen)
     acc = HessianAccumulator(cols)
     acc.add(X)
-    return X, W, acc.H
+    return X, W, acc.take()
 
 
 def _output_error(X, W, Q):
@@ -95,7 +95,7 @@ def test_padded_tokens_leave_hessian_unchanged(tiny_llama):
         for ids, mask in batches:
             inputs = capture_first_layer_inputs(tiny_llama, arch, ids, attention_mask=mask)
             record_linear_inputs(layer, ["mlp.down_proj"], inputs, None, lambda n, x: acc.add(x))
-        return acc.H, acc.tokens
+        return acc.take(), acc.tokens
 
     padded = torch.cat([torch.cat([short, torch.zeros(1, 5, dtype=torch.long)], 1), long])
     mask = torch.ones_like(padded)

@@ -23,7 +23,7 @@ def _correlated(tokens=2048, cols=512, rows=48, seed=0):
     W = torch.randn(rows, cols, generator=gen) * 0.05
     acc = HessianAccumulator(cols)
     acc.add(X)
-    return X, W, acc.H
+    return X, W, acc.take()
 
 
 def _output_error(X, W, Q):

@@ -14,15 +14,24 @@ from lowbit.quantize.steps.gptq import GPTQConfig
 from lowbit.quantize.steps.gptq_solver import HessianAccumulator, gptq_solve, inverse_hessian_factor
 
 
-def _hessian(cols: int, dead=(), seed: int = 0) -> torch.Tensor:
-    """Accumulated as a run does, micro-batch by micro-batch (so not exactly symmetric in its last bits)."""
+def _accumulated(cols: int, dead=(), seed: int = 0) -> HessianAccumulator:
+    """Accumulated as a run does, micro-batch by micro-batch."""
     gen = torch.Generator().manual_seed(seed)
     acc = HessianAccumulator(cols)
     for _ in range(3):
         x = torch.randn(150, cols, generator=gen) * torch.linspace(0.1, 3, cols)
         x[:, list(dead)] = 0.0
         acc.add(x)
-    return acc.H
+    return acc
+
+
+def _hessian(cols: int, dead=(), seed: int = 0) -> torch.Tensor:
+    """An accumulated Hessian made not exactly symmetric in its last bits (as a caller's may be),
+    dead inputs kept dead."""
+    H = _accumulated(cols, dead, seed).take()
+    noise = torch.rand(cols, cols, generator=torch.Generator().manual_seed(seed + 7)) * 1e-6 * H.abs().max()
+    live = H.diagonal() != 0
+    return H + noise * live[:, None] * live[None, :]
 
 
 def _textbook_factor(H: torch.Tensor, frac: float, perm=None) -> tuple[torch.Tensor, float, int]:
@@ -66,13 +75,13 @@ def test_a_failed_factorisation_retries_from_the_untouched_hessian():
 
 @pytest.mark.parametrize("actorder", ["none", "static", "group"])
 def test_a_handed_over_accumulator_gives_the_same_solve_and_is_emptied(actorder):
-    H = _hessian(256, dead=(5,))
     W = torch.randn(48, 256, generator=torch.Generator().manual_seed(2))
     cfg = GPTQConfig(scheme=IntScheme(4, True, "group", 32), actorder=actorder)
-    acc = HessianAccumulator(256)
-    acc.H, acc.tokens = H.clone(), 450
-    given, handed = gptq_solve(W, H, cfg), gptq_solve(W, acc, cfg)
-    assert acc.H is None
+    acc = _accumulated(256, dead=(5,))
+    given, handed = gptq_solve(W, acc.matrix(), cfg), gptq_solve(W, acc, cfg)
+    assert all(block is None for block in acc.sums)
+    with pytest.raises(RuntimeError, match="already taken"):
+        acc.take()
     assert torch.equal(given.weight.codes, handed.weight.codes)
     assert torch.equal(given.weight.scale, handed.weight.scale)
     assert torch.equal(given.row_loss, handed.row_loss)
@@ -92,3 +101,32 @@ def test_the_factorisation_holds_one_matrix_besides_the_hessian():
     matrices = (proc_status_bytes("VmHWM") - start) / (cols * cols * 4)
     assert matrices < 1.5, f"the factorisation peaked at {matrices:.2f} matrices above H (the textbook chain: 7)"
     assert U.shape == (cols, cols)
+
+
+def test_the_accumulated_hessian_is_two_over_n_xtx_exactly_symmetric():
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(40, 1100, generator=gen) for _ in range(3)]  # 3 row blocks of 512, the last short
+    acc = HessianAccumulator(1100)
+    for x in xs:
+        acc.add(x)
+    H = acc.matrix()
+    X = torch.cat(xs).double()
+    want = (2.0 / X.shape[0] * X.T @ X).float()
+    assert acc.tokens == 120 and torch.equal(H, H.T)
+    torch.testing.assert_close(H, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(acc.take(), H)  # take builds the same matrix, freeing the sums
+
+
+def test_the_hessian_does_not_depend_on_how_micro_batches_are_grouped():
+    """Two ranks each summing half the micro-batches, then adding their sums, give one process's
+    H bit for bit (the float64 sums differ in ulps that float32 rounds away)."""
+    gen = torch.Generator().manual_seed(4)
+    xs = [torch.randn(64, 384, generator=gen) * torch.linspace(0.1, 3, 384) for _ in range(16)]
+    whole, halves = HessianAccumulator(384), [HessianAccumulator(384), HessianAccumulator(384)]
+    for i, x in enumerate(xs):
+        whole.add(x)
+        halves[i // 8].add(x)
+    merged = halves[0]
+    merged.sums = [a + b for a, b in zip(halves[0].sums, halves[1].sums)]
+    merged.tokens += halves[1].tokens
+    assert torch.equal(merged.take(), whole.take())

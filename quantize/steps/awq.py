@@ -100,7 +100,7 @@ class GroupGram:
     def update(self, x2d: torch.Tensor) -> None:
         x = x2d.detach().float().cpu()
         xg = x.reshape(x.shape[0], -1, self.scheme.group_size or x.shape[1])  # (tokens, G, group)
-        c = torch.einsum("ngk,ngl->gkl", xg, xg)
+        c = torch.einsum("ngk,ngl->gkl", xg, xg).double()  # float64 sums: ranks add them in another order
         self.sum = c if self.sum is None else self.sum + c
         self.tokens += x.shape[0]
 
@@ -109,7 +109,7 @@ class GroupGram:
         self.sum, self.tokens = all_sum(self.sum), sum_int(self.tokens)
 
     def result(self) -> torch.Tensor:
-        return self.sum / max(self.tokens, 1)  # (G, group, group)
+        return (self.sum / max(self.tokens, 1)).float()  # (G, group, group)
 
 
 def group_gram(x: torch.Tensor, scheme: IntScheme) -> torch.Tensor:

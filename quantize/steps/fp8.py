@@ -70,11 +70,11 @@ def _apply_gptq(ctx: StepContext, cfg: FP8Config, targets, input_scales: dict) -
     gcfg = cfg.gptq_config
 
     def solve(prefix, layer, members, hessian) -> list:
-        solved = []
+        solved, H = [], hessian.take()
         for name in members:  # one solve each: per-tensor and block scales belong to one linear
             start = time.perf_counter()
             W = linear_weight(layer.get_submodule(name)).float()
-            fw, row_loss, frac, retries = gptq_solve_fp8(W, hessian.H, gcfg, cfg.scheme.strategy, cfg.scheme.format,
+            fw, row_loss, frac, retries = gptq_solve_fp8(W, H, gcfg, cfg.scheme.strategy, cfg.scheme.format,
                                                          cfg.scheme.block_size)
             solved.append((fw, row_loss, frac, retries, time.perf_counter() - start))
         return solved

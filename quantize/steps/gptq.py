@@ -103,7 +103,7 @@ def _apply_gguf(ctx: StepContext, cfg: GPTQConfig) -> dict:
     outside = {n: m for n, m in targets.linears.items() if not n.startswith(ctx.arch.layers + ".")}
 
     def solve(prefix, layer, members, hessian):
-        return gguf_rounding.solve_layer_group(layer, prefix, members, hessian.H, cfg, schemes)
+        return gguf_rounding.solve_layer_group(layer, prefix, members, hessian.take(), cfg, schemes)
 
     def install(prefix, layer, members, result, stats) -> dict:
         return gguf_rounding.install_layer_group(layer, result, stats)

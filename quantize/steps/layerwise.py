@@ -79,7 +79,7 @@ def _largest_first(units: list, compute) -> list:
     """round_robin(units, compute), the largest Hessian solved first and the results in the units'
     order: a solve that takes its Hessian frees it, so without true_sequential (every Hessian of a
     layer recorded at once) the smaller solves run without down_proj's f² matrix beside them."""
-    order = sorted(range(len(units)), key=lambda k: -units[k][1].H.shape[0])  # stable: ties keep their order
+    order = sorted(range(len(units)), key=lambda k: -units[k][1].columns)  # stable: ties keep their order
     results = round_robin([units[k] for k in order], compute)
     return [result for _, result in sorted(zip(order, results), key=lambda pair: pair[0])]
 
@@ -119,10 +119,9 @@ def _collect_hessians(layer: nn.Module, names: list[str], inputs, device):
 
 
 def merge_ranks(acc: HessianAccumulator) -> None:
-    """acc becomes the Hessian of every rank's tokens: each rank's running mean H = 2/N·XᵀX turned
-    back into its sum (H·N), the sums and counts added, then divided once (never a mean of means)."""
+    """acc becomes the Hessian of every rank's tokens: the float64 sums and the token counts added
+    (never a mean of means); H is formed from them once, when taken."""
     if world().size == 1:
         return
-    tokens = sum_int(acc.tokens)
-    acc.H = all_sum(acc.H * acc.tokens) / max(tokens, 1)
-    acc.tokens = tokens
+    acc.tokens = sum_int(acc.tokens)
+    acc.sums = [all_sum(block) for block in acc.sums]

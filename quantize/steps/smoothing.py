@@ -42,7 +42,7 @@ class InputCollector:
     def update(self, x2d: torch.Tensor) -> None:
         x2d = x2d.detach().float().cpu()
         self.absmax.update(x2d)
-        s = x2d.abs().sum(dim=0)
+        s = x2d.abs().sum(dim=0).double()  # float64 sums: ranks add them in another order
         self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
         self.count += x2d.shape[0]
         self.rows.append(x2d[:: self.stride].clone())
@@ -50,7 +50,7 @@ class InputCollector:
     def result(self) -> PairInput:
         """Over every rank's tokens (the sample stays this rank's share of the global sample)."""
         count = sum_int(self.count)
-        return PairInput(all_max(self.absmax.value), all_sum(self.abs_sum) / max(count, 1), torch.cat(self.rows))
+        return PairInput(all_max(self.absmax.value), (all_sum(self.abs_sum) / max(count, 1)).float(), torch.cat(self.rows))
 
 
 def token_stride(hidden: list[torch.Tensor], max_tokens: int) -> int:
