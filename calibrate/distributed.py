@@ -79,9 +79,9 @@ def init_from_env() -> World:
 
 
 def group_backend(gpus: int, ranks_here: int) -> str:
-    """gloo for CPU tensors; where every rank on this machine has a GPU of its own (cuda:LOCAL_RANK),
-    NCCL for CUDA tensors too, so statistics kept on the GPUs are reduced there without a CPU trip.
-    All ranks decide alike: a group whose ranks named different backends would hang."""
+    """NCCL where every rank on this machine has a GPU of its own (cuda:LOCAL_RANK): the collectives
+    then run there (backend_device), so statistics kept on the GPUs never cross to the CPU; gloo
+    otherwise. All ranks decide alike: a group whose ranks named different backends would hang."""
     return "cpu:gloo,cuda:nccl" if 0 < ranks_here <= gpus else "gloo"
 
 
@@ -122,15 +122,16 @@ def sample_share(samples: int, unit: int, w: Optional[World] = None) -> slice:
     return slice(min(samples, w.rank * units // w.size * unit), min(samples, (w.rank + 1) * units // w.size * unit))
 
 
-def backend_device(tensor_device: torch.device, backend: str) -> torch.device:
-    """Where a collective on a tensor of tensor_device runs: CUDA tensors stay on their GPU when the
-    group has NCCL; everything else crosses through gloo on the CPU."""
-    return tensor_device if tensor_device.type == "cuda" and "nccl" in backend else torch.device("cpu")
+def backend_device(backend: str) -> torch.device:
+    """Where every collective runs: this rank's GPU when the group has NCCL, else the CPU (gloo).
+    Never the tensor's own device: a rank that sends a GPU tensor and a rank that receives into a
+    CPU one must meet on the same backend, or both wait forever."""
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
 
 
 def _collective(name: str, fn, tensor: torch.Tensor) -> torch.Tensor:
     """fn(t) on a copy of `tensor` on the backend's device; the result back where tensor was."""
-    t = tensor.detach().to(backend_device(tensor.device, str(dist.get_backend()))).contiguous().clone()
+    t = tensor.detach().to(backend_device(str(dist.get_backend()))).contiguous().clone()
     try:
         fn(t)
     except (RuntimeError, dist.DistError) as err:
