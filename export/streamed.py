@@ -89,7 +89,7 @@ def _write_rest(model, tokenizer, staging: Path, cfg: ExportConfig, extra_files:
     the weights' metadata the format asked for."""
     seen: dict = {}
     # every tensor is on meta here: new ones (packing's shift tables) must be too; none is kept
-    with weights_to(lambda tensors, _, metadata: seen.update(metadata or {})), torch.device("meta"):
+    with weights_to(lambda tensors, _, metadata: seen.update(metadata or {}), tensors=False), torch.device("meta"):
         FORMATS[cfg.format].write(model, tokenizer, staging, cfg, extra_files)
     return seen
 
