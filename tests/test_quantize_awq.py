@@ -170,3 +170,13 @@ def test_clip_layer_reads_every_token_or_a_stride_and_shares_one_gram_per_input(
         assert "mlp.down_proj" in clipped and "self_attn.q_proj" not in clipped
         # inputs of v_proj, o_proj, gate+up (one tensor, one Gram) and down_proj
         assert rows_seen == [rows] * 4
+
+
+def test_group_gram_is_float32_inside_a_bf16_autocast():
+    """GroupGram is fed from hooks inside the layer forwards' bf16 autocast: its sums stay float32."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(7))
+    plain, cast = awq.GroupGram(CFG.scheme), awq.GroupGram(CFG.scheme)
+    plain.update(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast.update(x)
+    assert torch.equal(cast.result(), plain.result())

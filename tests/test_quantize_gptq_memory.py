@@ -130,3 +130,14 @@ def test_the_hessian_does_not_depend_on_how_micro_batches_are_grouped():
     merged.sums = [a + b for a, b in zip(halves[0].sums, halves[1].sums)]
     merged.tokens += halves[1].tokens
     assert torch.equal(merged.take(), whole.take())
+
+
+def test_the_hessian_is_float32_inside_a_bf16_autocast():
+    """The accumulator is fed from hooks inside the layer forwards' bf16 autocast: its products
+    must not be bf16 (8-bit entries left H indefinite and tiny llamas needing 10x damping)."""
+    x = torch.randn(64, 600, generator=torch.Generator().manual_seed(5))
+    plain, cast = HessianAccumulator(600), HessianAccumulator(600)
+    plain.add(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast.add(x)
+    assert torch.equal(cast.take(), plain.take())

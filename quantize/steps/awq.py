@@ -100,7 +100,8 @@ class GroupGram:
     def update(self, x2d: torch.Tensor) -> None:
         x = x2d.detach().float().cpu()
         xg = x.reshape(x.shape[0], -1, self.scheme.group_size or x.shape[1])  # (tokens, G, group)
-        c = torch.einsum("ngk,ngl->gkl", xg, xg).double()  # float64 sums: ranks add them in another order
+        with torch.autocast("cpu", enabled=False):  # called from hooks inside bf16 autocast
+            c = torch.einsum("ngk,ngl->gkl", xg, xg).double()  # float64 sums: ranks add them in another order
         self.sum = c if self.sum is None else self.sum + c
         self.tokens += x.shape[0]
 

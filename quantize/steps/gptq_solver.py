@@ -62,8 +62,9 @@ class HessianAccumulator:
         if x2d.shape[0] == 0:
             return
         x = x2d.to(self.device, torch.float32)
-        for start, block in zip(self.starts, self.sums):
-            block.add_(x[:, start : start + block.shape[0]].t() @ x[:, start:])
+        with torch.autocast(x.device.type, enabled=False):  # called from hooks inside bf16 autocast
+            for start, block in zip(self.starts, self.sums):
+                block.add_(x[:, start : start + block.shape[0]].t() @ x[:, start:])
         self.tokens += x.shape[0]
 
     def matrix(self) -> torch.Tensor:
