@@ -141,3 +141,59 @@ def test_the_hessian_is_float32_inside_a_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         cast.add(x)
     assert torch.equal(cast.take(), plain.take())
+
+
+def test_a_weight_given_as_a_function_is_made_once_the_hessian_is_factored():
+    W = torch.randn(48, 256, generator=torch.Generator().manual_seed(2))
+    cfg = GPTQConfig(scheme=IntScheme(4, True, "group", 32), actorder="static")
+    acc, seen = _accumulated(256, dead=(5,)), []
+
+    def weight():
+        seen.append(all(block is None for block in acc.sums))  # taken (and freed) before W is made
+        return W
+
+    given, lazy = gptq_solve(W, _accumulated(256, dead=(5,)), cfg), gptq_solve(weight, acc, cfg)
+    assert seen == [True]
+    assert torch.equal(given.weight.codes, lazy.weight.codes) and torch.equal(given.row_loss, lazy.row_loss)
+
+
+PEAK_OF_A_SOLVE = """
+import sys
+from pathlib import Path
+import torch
+sys.path.insert(0, sys.argv[2])
+from test_quantize_gptq_memory import _accumulated
+from lowbit.evaluate.memory import proc_status_bytes
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.steps.gptq import GPTQConfig
+from lowbit.quantize.steps.gptq_solver import gptq_solve
+cols = 2048
+cfg = GPTQConfig(scheme=IntScheme(4, True, "group", 128), actorder=sys.argv[1])
+source = torch.randn(cols, cols, generator=torch.Generator().manual_seed(4)).bfloat16()
+gptq_solve(lambda: source.float(), _accumulated(cols), cfg)  # BLAS and LAPACK set up their buffers
+acc = _accumulated(cols)
+Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (the accumulator's sums: one matrix)
+start = proc_status_bytes("VmHWM")
+gptq_solve(lambda: source.float(), acc, cfg)
+print((proc_status_bytes("VmHWM") - start) / (cols * cols * 4))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable VmHWM")
+@pytest.mark.parametrize("actorder", ["none", "static"])
+def test_a_solve_from_an_accumulator_peaks_near_two_matrices(actorder):
+    """Hessian and weight both (n, n): taken from its accumulator, factored, swept. At most the
+    factor, the weight the caller builds and the sweep's copy are alive at once; the sweep keeps
+    int8 codes (a float copy of the result was a fourth matrix, the caller's stacked weight a fifth).
+    In a fresh process whose allocator maps every block of 64 KiB or more on its own, so that RSS
+    is what is alive, not what glibc's heap kept from earlier tests."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", PEAK_OF_A_SOLVE, actorder, str(Path(__file__).parent)],
+                         env=env, capture_output=True, text=True, check=True)
+    matrices = float(out.stdout.strip().splitlines()[-1])
+    # here 1.74; before (a float result, the stacked weight built first): 2.87
+    assert matrices < 2.2, f"the solve peaked at {matrices:.2f} matrices above its accumulator"

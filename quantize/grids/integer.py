@@ -117,13 +117,17 @@ def dequantize_codes(codes, scale, zero, scheme: IntScheme) -> torch.Tensor:
 
 def fake_quantize(w, scale, zero, qmin: int, qmax: int) -> torch.Tensor:
     """Round w onto the grid and back; scale/zero broadcast against w (used column-wise by GPTQ)."""
-    q = torch.round(w / scale)
+    return fake_quantize_with_codes(w, scale, zero, qmin, qmax)[0]
+
+
+def fake_quantize_with_codes(w, scale, zero, qmin: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fake_quantize's values and the codes it rounded w to (float, in [qmin, qmax])."""
+    code = torch.round(w / scale)
     if zero is not None:
-        q = q + zero
-    q = q.clamp(qmin, qmax)
-    if zero is not None:
-        q = q - zero
-    return q * scale
+        code = code + zero
+    code = code.clamp(qmin, qmax)
+    q = code - zero if zero is not None else code
+    return q * scale, code
 
 
 def pack_codes(codes_unsigned: torch.Tensor, bits: int) -> torch.Tensor:

@@ -121,8 +121,10 @@ def _solve_shared(layer, members, hessian: HessianAccumulator, cfg: GPTQConfig) 
     and its seconds per linear."""
     weights = [linear_weight(layer.get_submodule(n)) for n in members]
     start = time.perf_counter()
-    # one linear: its own weight (the solve copies it once the Hessian is factored), no stacked copy
-    stacked = weights[0].float() if len(weights) == 1 else torch.cat([w.float() for w in weights])
+
+    def stacked() -> torch.Tensor:  # made once the Hessian is factored: not beside its two matrices
+        return weights[0].float() if len(weights) == 1 else torch.cat([w.float() for w in weights])
+
     result = gptq_solve(stacked, hessian, cfg)
     return result, (time.perf_counter() - start) / len(members)
 

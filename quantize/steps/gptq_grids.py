@@ -9,7 +9,8 @@ import torch
 from lowbit.quantize.grids.fp8 import FP8Format, saturating_cast
 from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight, affine_values, nearest_levels, quantize_gguf
 from lowbit.quantize.grids.gguf_weighted import quantize_weighted
-from lowbit.quantize.grids.integer import IntScheme, compute_scale_zero, fake_quantize, grouped, scale_zero_from_range
+from lowbit.quantize.grids.integer import (IntScheme, compute_scale_zero, fake_quantize, fake_quantize_with_codes, grouped,
+                                          scale_zero_from_range)
 from lowbit.quantize.grids.scale_search import search_scale_zero
 
 
@@ -89,19 +90,29 @@ class FixedColumnGrid:
                  importance: Optional[torch.Tensor] = None):
         self.scheme = scheme
         inverse = None if perm is None else torch.argsort(perm)
-        original = W if perm is None else W[:, inverse]
-        if importance is None:
-            self.scale, self.zero = compute_scale_zero(original, scheme)  # (rows, G)
-        else:
-            weight = importance if perm is None else importance[inverse]
-            groups = grouped(original, scheme)  # (rows, G, group)
-            self.scale, self.zero = search_scale_zero(groups, grouped(weight[None], scheme)[0], scheme)
+        weight = None if importance is None or perm is None else importance[inverse]
+        weight = importance if weight is None else weight
+        # a block of rows at a time (rows are independent): the weight in its original column order is
+        # a block's copy, not a second weight beside the sweep's (0.22 GiB for a Llama-3-8B down_proj)
+        blocks = [slice(None)] if scheme.strategy == "tensor" else [
+            slice(start, start + self.ROWS) for start in range(0, W.shape[0], self.ROWS)]
+        found = [self._scale_zero(W[b] if perm is None else W[b][:, inverse], weight, scheme) for b in blocks]
+        self.scale = torch.cat([scale for scale, _ in found])  # (rows, G)
+        self.zero = None if found[0][1] is None else torch.cat([zero for _, zero in found])
         group = torch.zeros(W.shape[1], dtype=torch.long, device=W.device)
         if scheme.strategy == "group":
             order = perm if perm is not None else torch.arange(W.shape[1], device=W.device)
             group = order // scheme.group_size
         self.column_group = group  # processing position -> group index
         self._groups = group.tolist()  # plain ints: cheap to index in the per-column loop
+
+    ROWS = 1024  # search_scale_zero's own block: the same calls, the same bits
+
+    @staticmethod
+    def _scale_zero(original: torch.Tensor, weight: Optional[torch.Tensor], scheme: IntScheme):
+        if weight is None:
+            return compute_scale_zero(original, scheme)
+        return search_scale_zero(grouped(original.contiguous(), scheme), grouped(weight[None], scheme)[0], scheme)
 
     def begin(self, j: int, Wt_rest: torch.Tensor) -> None:
         pass
@@ -112,6 +123,9 @@ class FixedColumnGrid:
 
     def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
         return fake_quantize(w, *self.column(j), self.scheme.qmin, self.scheme.qmax)
+
+    def quantize_with_codes(self, j: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fake_quantize_with_codes(w, *self.column(j), self.scheme.qmin, self.scheme.qmax)
 
     def result(self):
         return self.scale.float(), self.zero
@@ -145,6 +159,9 @@ class LazyColumnGrid:
 
     def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
         return fake_quantize(w, *self.column(j), self.scheme.qmin, self.scheme.qmax)
+
+    def quantize_with_codes(self, j: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fake_quantize_with_codes(w, *self.column(j), self.scheme.qmin, self.scheme.qmax)
 
     def result(self):
         return self.scale, self.zero

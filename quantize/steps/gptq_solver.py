@@ -6,7 +6,7 @@ a QuantizedWeight (or FP8Weight) out.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -142,10 +142,12 @@ def _permuted_copy(H: torch.Tensor, perm: Optional[torch.Tensor], out: torch.Ten
             out[start : start + rows] = H.index_select(0, perm[start : start + rows]).index_select(1, perm)
 
 
-def gptq_solve(W: torch.Tensor, H: torch.Tensor | HessianAccumulator, cfg: GPTQConfig) -> GPTQResult:
+def gptq_solve(W: torch.Tensor | Callable[[], torch.Tensor], H: torch.Tensor | HessianAccumulator,
+               cfg: GPTQConfig) -> GPTQResult:
     """GPTQ of W (out, in) against the input Hessian H (in, in). Given the accumulator instead, the
     solve takes its matrix and frees it once the inverse-Hessian factor is built, so the sweep holds
-    one (in, in) matrix instead of two."""
+    one (in, in) matrix instead of two. Given a function for W, the solve calls it once the factor
+    is built: the weight's float copy is not made beside the factorisation's two matrices."""
     return _single_threaded(_gptq_solve, W, H, cfg)
 
 
@@ -164,12 +166,10 @@ def _gptq_solve(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult
         block = max(scheme.group_size, block // scheme.group_size * scheme.group_size)
     device, Wt = W.device, W.t().contiguous()
     del W  # the sweep updates its transposed copy: one weight-sized matrix fewer while it runs
-    Q, row_loss = _solve_blocks(Wt, U, grid, block)
-    del U, Wt  # an (in, in) matrix and the updated weights: freed before the codes are formed
-    codes = _codes(Q, grid)
-    if perm is not None:
-        inverse = torch.argsort(perm)
-        codes = codes[:, inverse]
+    # the sweep keeps int8 codes, not float values: a quarter of a weight's float bytes
+    codes, row_loss = _solve_blocks(Wt, U, grid, block, codes=True)
+    del U, Wt  # an (in, in) matrix and the updated weights
+    codes = codes.contiguous() if perm is None else codes[:, torch.argsort(perm)]
     g_idx = None
     if lazy_groups and perm is not None:
         g_idx = (torch.arange(cols, device=device) // scheme.group_size)[torch.argsort(perm)]
@@ -234,7 +234,8 @@ def _gptq_solve_gguf(W, H, cfg: GPTQConfig, scheme: GGUFScheme):
 def _sweep_fixed(Wp, U, perm, weight: GGUFWeight, S, M, cfg: GPTQConfig):
     """One sweep over the permuted columns onto fixed per-element grids S, M (permuted)."""
     grid = GGUFColumnGrid(S, M, weight.scheme)
-    _, row_loss = _solve_blocks(Wp.t().contiguous(), U, grid, cfg.batch_columns)
+    # a copy: the sweep updates its matrix in place and the refits sweep again from Wp
+    _, row_loss = _solve_blocks(Wp.t().clone(memory_format=torch.contiguous_format), U, grid, cfg.batch_columns)
     levels = grid.levels_t.t()
     if perm is not None:
         levels = levels[:, torch.argsort(perm)]
@@ -280,7 +281,8 @@ def _gptq_solve_gguf_lazy(W, H, cfg: GPTQConfig, scheme: GGUFScheme):
 
 
 def _prepare(W: torch.Tensor, H: torch.Tensor | HessianAccumulator, cfg: GPTQConfig):
-    """W as a float copy with dead inputs zeroed, permuted by act-order; the permuted Hessian's
+    """W as a float copy (column-major: W.t().contiguous() is the same storage, and a sweep given it
+    updates this copy in place) with dead inputs zeroed, permuted by act-order; the permuted Hessian's
     diagonal (dead inputs at 1), the permutation and the inverse-Hessian factor. H is not copied
     whole: the factor's working matrix is the only other (in, in) matrix alive (and the only one
     left when H came in an accumulator)."""
@@ -292,8 +294,9 @@ def _prepare(W: torch.Tensor, H: torch.Tensor | HessianAccumulator, cfg: GPTQCon
     perm = torch.argsort(diagonal, descending=True, stable=True) if cfg.actorder != "none" else None
     U, frac, retries = inverse_hessian_factor(H, cfg.dampening_frac, perm)
     del H  # a taken Hessian is freed here, before W's copy is made
-    W = W.detach().float()
-    W = W.clone() if perm is None else W[:, perm]  # one copy either way
+    W = (W() if callable(W) else W).detach().float()
+    # one copy either way, column-major: the sweep's W.t().contiguous() is then this same matrix
+    W = (W.t().clone(memory_format=torch.contiguous_format) if perm is None else W.t().index_select(0, perm)).t()
     if perm is not None:
         dead, diagonal = dead[perm], diagonal[perm]
     W[:, dead] = 0.0
@@ -312,12 +315,12 @@ def _single_threaded(fn, *args):
         torch.set_num_threads(threads)
 
 
-def _solve_blocks(Wt: torch.Tensor, U: torch.Tensor, grid, block: int):
+def _solve_blocks(Wt: torch.Tensor, U: torch.Tensor, grid, block: int, codes: bool = False):
     """The GPTQ sweep over (already permuted) columns of Wt = W.t().contiguous() (cols, rows: a column
     is a contiguous row there), which it updates in place. Returns the quantized values (rows, cols),
-    on the grid, and row losses."""
+    on the grid (with codes: the integer grid's int8 codes instead), and row losses."""
     cols, rows = Wt.shape
-    Qt = torch.empty(cols, rows, device=Wt.device)  # quantized values, on the grid
+    Qt = torch.empty(cols, rows, device=Wt.device, dtype=torch.int8 if codes else torch.float32)
     row_loss = torch.zeros(rows, device=Wt.device)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
@@ -326,23 +329,12 @@ def _solve_blocks(Wt: torch.Tensor, U: torch.Tensor, grid, block: int):
         for j in range(i2 - i1):
             grid.begin(i1 + j, Wb[j:])
             w = Wb[j]
-            q = Qt[i1 + j] = grid.quantize(i1 + j, w)
+            if codes:
+                q, Qt[i1 + j] = grid.quantize_with_codes(i1 + j, w)
+            else:
+                q = Qt[i1 + j] = grid.quantize(i1 + j, w)
             torch.div(w - q, Ub[j, j], out=Eb[j])
             Wb[j + 1 :].addr_(Ub[j, j + 1 :], Eb[j], alpha=-1.0)
         row_loss += Eb.square().sum(dim=0) / 2
         Wt[i2:].addmm_(U[i1:i2, i2:].t(), Eb, alpha=-1.0)
     return Qt.t(), row_loss
-
-
-def _codes(Q: torch.Tensor, grid, rows: int = 1024) -> torch.Tensor:
-    """Integer codes (int8) of Q (rows, cols), whose values already lie on the grid's points; a
-    block of rows at a time, so the float temporaries are a block's, not Q's."""
-    scale, zero = grid.result()
-    codes = torch.empty(Q.shape, dtype=torch.int8, device=Q.device)
-    for start in range(0, Q.shape[0], rows):
-        block = slice(start, start + rows)
-        values = torch.round(Q[block] / scale[block][:, grid.column_group])
-        if zero is not None:
-            values += zero[block][:, grid.column_group]
-        codes[block] = values.clamp_(grid.scheme.qmin, grid.scheme.qmax)
-    return codes

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lowbit.calibrate.distributed import all_sum, round_robin, sum_int, world
-from lowbit.calibrate.hardware import cpu_info
+from lowbit.calibrate.hardware import cpu_info, return_freed_memory
 from lowbit.calibrate.walker import record_linear_inputs, walk
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.gptq_solver import HessianAccumulator
@@ -38,11 +38,18 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
     """Walk the decoder layers; per linear group, record its inputs' Hessians (summed over all
     ranks' samples), then per set of linears sharing one input: result = solve(prefix, layer,
     names, H), pure, on one rank (round-robin), its result sent to all; then on every rank
-    install(prefix, layer, names, result, stats) -> {name: replacement module}. The layer's linears
-    are replaced once all its groups are solved, and its quantized outputs feed the next layer.
-    With cfg.true_sequential, install must also write the rounded values into the float linears,
-    so that later groups record what they will see. Each replaced linear leaves targets.linears.
+    install(prefix, layer, names, result, stats) -> {name: replacement module}. Each solved linear
+    is replaced at once (with cfg.true_sequential, once all the layer's groups are solved: install
+    must also write the rounded values into the float linears, so that later groups record what
+    they will see), and the layer's quantized outputs feed the next layer. Each replaced linear leaves targets.linears.
     Returns the per-layer records and the forwards' dtype."""
+
+    def solve_trimmed(prefix, layer, unit):
+        # glibc keeps the freed blocks of the forwards and the smaller solves (tensors of 1-32 MiB sit
+        # below its self-raising mmap threshold) in its heap: given back first, down_proj's factorisation
+        # does not stack on them
+        return_freed_memory()
+        return solve(prefix, layer, *unit)
 
     def on_layer(i, prefix, layer, inputs):
         start = time.perf_counter()
@@ -50,19 +57,30 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
         groups = [[n for n in g if n in names] for g in ctx.arch.groups] if cfg.true_sequential else [names]
         stats: dict = {}
         solved: dict[str, nn.Module] = {}
+
+        def install_unit(unit, result):
+            modules = install(prefix, layer, unit[0], result, stats)
+            if cfg.true_sequential:  # later groups record their inputs through the float linears
+                solved.update(modules)
+                return
+            for name, module in modules.items():  # every Hessian is recorded: the float linear can go now,
+                let_go(prefix, layer, name, module)  # before down_proj's solve (0.6 GiB at Llama-3-8B widths)
+
         for group in filter(None, groups):
             hessians, sharing = _collect_hessians(layer, group, inputs, ctx.device)
             units = [(members, hessians.pop(lead)) for lead, members in sharing.items()]
-            results = _largest_first(units, lambda unit: solve(prefix, layer, *unit))
-            for (members, _), result in zip(units, results):
-                solved.update(install(prefix, layer, members, result, stats))
+            _smallest_first(units, lambda unit: solve_trimmed(prefix, layer, unit), install_unit)
         for name, module in solved.items():
-            replace_module(layer, name, module)
-            # the float module is let go with the layer: streamed, a layer's float32 weights (0.87 GB at
-            # Llama-3-8B widths) were otherwise kept by targets for the whole walk, one more per layer
-            del targets.linears[f"{prefix}.{name}"]
+            let_go(prefix, layer, name, module)
+        stats = {n: stats[n] for n in names if n in stats}  # the layer's order, not the solves'
         return {"layer": prefix, "seconds": round(time.perf_counter() - start, 3),
                 "linears": {f"{prefix}.{n}": s for n, s in stats.items()}}
+
+    def let_go(prefix, layer, name, module):
+        replace_module(layer, name, module)
+        # the float module is let go with the layer: streamed, a layer's float32 weights (0.87 GB at
+        # Llama-3-8B widths) were otherwise kept by targets for the whole walk, one more per layer
+        del targets.linears[f"{prefix}.{name}"]
 
     forward_dtype = resolve_forward_dtype(cfg.forward_dtype, ctx.device)
     name = str(forward_dtype).removeprefix("torch.")
@@ -75,13 +93,21 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
     return list(layers), name
 
 
-def _largest_first(units: list, compute) -> list:
-    """round_robin(units, compute), the largest Hessian solved first and the results in the units'
-    order: a solve that takes its Hessian frees it, so without true_sequential (every Hessian of a
-    layer recorded at once) the smaller solves run without down_proj's f² matrix beside them."""
-    order = sorted(range(len(units)), key=lambda k: -units[k][1].columns)  # stable: ties keep their order
-    results = round_robin([units[k] for k in order], compute)
-    return [result for _, result in sorted(zip(order, results), key=lambda pair: pair[0])]
+def _smallest_first(units: list, solve, install) -> None:
+    """install(unit, solve(unit)) for every unit, the smallest Hessian first. Each solve takes its
+    Hessian and frees it, and (one rank, no true_sequential) install lets the solved float linears
+    go: by the time down_proj's f x f matrix is factored with its working copy (the step's peak),
+    the layer's other Hessians and float weights are gone. Largest first kept three h x h float64
+    sums and five float32 weights beside it (0.8 GiB at Llama-3-8B widths). Across ranks the
+    solves run round-robin and every rank installs every result, in the same order."""
+    order = sorted(range(len(units)), key=lambda k: units[k][1].columns)  # stable: ties keep their order
+    if world().size == 1:
+        for k in order:
+            install(units[k], solve(units[k]))
+        return
+    results = round_robin([units[k] for k in order], solve)
+    for k, result in zip(order, results):
+        install(units[k], result)
 
 
 def linear_stats(row_loss: torch.Tensor, dampening_frac: float, retries: int, seconds: float) -> dict:
