@@ -17,6 +17,7 @@ from lowbit.quantize.grids.integer import fake_quantize
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.grids.quantized_weight import quantize_rtn
+from tiny_models import make_tiny_model
 
 
 def _correlated(tokens=2048, cols=128, rows=64, seed=0):
@@ -220,3 +221,30 @@ def test_forward_dtype_auto_is_recorded_and_printed(monkeypatch, tiny_llama, cap
     assert "forward dtype float32 (auto on CPU:" in capsys.readouterr().err
     with pytest.raises(ValueError, match="forward_dtype"):
         GPTQConfig(forward_dtype="fp16")
+
+
+@pytest.mark.parametrize("true_sequential", [False, True])
+def test_down_proj_is_solved_last_with_the_rest_of_its_layer_let_go(monkeypatch, true_sequential):
+    """The step's peak is down_proj's solve: by then (no true_sequential) the layer's other linears
+    are quantized modules and their Hessians gone, and the solve's weight copy is the only float one
+    left. With true_sequential the float linears stay until the layer is done (later groups read them)."""
+    model = make_tiny_model("llama")
+    layer = decoder_layers(model, arch_for(model))[0]
+    real, seen = gptq.gptq_solve, []
+
+    def watched(W, H, cfg):
+        first_down = H.columns == model.config.intermediate_size and not seen  # layer 0's down_proj
+        if first_down:
+            seen.append(sorted(n for n, m in layer.named_modules() if isinstance(m, QuantLinear)))
+        result = real(W, H, cfg)
+        if first_down:
+            seen.append(layer.mlp.down_proj.weight.is_meta)
+        return result
+
+    monkeypatch.setattr(gptq, "gptq_solve", watched)
+    ids = torch.randint(3, 500, (4, 32), generator=torch.Generator().manual_seed(0))
+    cfg = GPTQConfig(scheme=IntScheme(4, True, "group", 32), true_sequential=true_sequential)
+    gptq.apply(StepContext(model, arch_for(model), ["lm_head"], lambda: ids), cfg)
+    others = sorted([f"self_attn.{c}_proj" for c in "qkvo"] + ["mlp.gate_proj", "mlp.up_proj"])
+    assert seen == ([others, True] if not true_sequential else [[], False])
+    assert isinstance(layer.mlp.down_proj, QuantLinear)

@@ -88,12 +88,14 @@ def build_module(prefix: str, tensors: dict[str, torch.Tensor], group: dict) -> 
     take = lambda key: tensors.pop(f"{prefix}.{key}", None)  # noqa: E731
     out_f, in_f = (int(v) for v in take("weight_shape").tolist())
     offset = 2 ** (scheme.bits - 1)
-    codes = unpack_codes(take("weight_packed"), scheme.bits, in_f).to(torch.int16) - offset
+    packed = take("weight_packed")
     scale = take("weight_scale").float()
     scale = scale.reshape(1, 1) if scheme.strategy == "tensor" else scale.reshape(out_f, -1)
     g_idx, bias, zp = take("weight_g_idx"), take("bias"), take("weight_zero_point")
     module = QuantLinear(in_f, out_f, scheme, bias is not None, scale.shape[1], g_idx is not None)
-    module.weight_codes.copy_(codes.to(torch.int8))
+    for start in range(0, out_f, 1024):  # int16 temporaries a block's, not the weight's
+        rows = slice(start, start + 1024)
+        module.weight_codes[rows] = unpack_codes(packed[rows], scheme.bits, in_f).to(torch.int16) - offset
     module.weight_scale = scale
     if zp is not None and scheme.strategy == "tensor":
         module.weight_zero = zp.float().reshape(1, 1)
