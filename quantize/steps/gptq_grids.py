@@ -9,7 +9,7 @@ import torch
 from lowbit.quantize.grids.fp8 import FP8Format, saturating_cast
 from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight, affine_values, nearest_levels, quantize_gguf
 from lowbit.quantize.grids.gguf_weighted import quantize_weighted
-from lowbit.quantize.grids.integer import (IntScheme, compute_scale_zero, fake_quantize, fake_quantize_with_codes, grouped,
+from lowbit.quantize.grids.integer import (IntScheme, compute_scale_zero, fake_quantize_with_codes, grouped,
                                           scale_zero_from_range)
 from lowbit.quantize.grids.scale_search import search_scale_zero
 
@@ -90,8 +90,7 @@ class FixedColumnGrid:
                  importance: Optional[torch.Tensor] = None):
         self.scheme = scheme
         inverse = None if perm is None else torch.argsort(perm)
-        weight = None if importance is None or perm is None else importance[inverse]
-        weight = importance if weight is None else weight
+        weight = importance if importance is None or perm is None else importance[inverse]
         # a block of rows at a time (rows are independent): the weight in its original column order is
         # a block's copy, not a second weight beside the sweep's (0.22 GiB for a Llama-3-8B down_proj)
         blocks = [slice(None)] if scheme.strategy == "tensor" else [
@@ -120,9 +119,6 @@ class FixedColumnGrid:
     def column(self, j: int):
         g = self._groups[j]
         return self.scale[:, g], None if self.zero is None else self.zero[:, g]
-
-    def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
-        return fake_quantize(w, *self.column(j), self.scheme.qmin, self.scheme.qmax)
 
     def quantize_with_codes(self, j: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return fake_quantize_with_codes(w, *self.column(j), self.scheme.qmin, self.scheme.qmax)
@@ -156,9 +152,6 @@ class LazyColumnGrid:
     def column(self, j: int):
         g = j // self.size
         return self.scale[:, g], None if self.zero is None else self.zero[:, g]
-
-    def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
-        return fake_quantize(w, *self.column(j), self.scheme.qmin, self.scheme.qmax)
 
     def quantize_with_codes(self, j: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return fake_quantize_with_codes(w, *self.column(j), self.scheme.qmin, self.scheme.qmax)

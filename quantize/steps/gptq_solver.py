@@ -318,7 +318,8 @@ def _single_threaded(fn, *args):
 def _solve_blocks(Wt: torch.Tensor, U: torch.Tensor, grid, block: int, codes: bool = False):
     """The GPTQ sweep over (already permuted) columns of Wt = W.t().contiguous() (cols, rows: a column
     is a contiguous row there), which it updates in place. Returns the quantized values (rows, cols),
-    on the grid (with codes: the integer grid's int8 codes instead), and row losses."""
+    on the grid (with codes: the integer grid's int8 codes instead, from its quantize_with_codes),
+    and row losses."""
     cols, rows = Wt.shape
     Qt = torch.empty(cols, rows, device=Wt.device, dtype=torch.int8 if codes else torch.float32)
     row_loss = torch.zeros(rows, device=Wt.device)

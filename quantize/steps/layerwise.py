@@ -41,8 +41,8 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
     install(prefix, layer, names, result, stats) -> {name: replacement module}. Each solved linear
     is replaced at once (with cfg.true_sequential, once all the layer's groups are solved: install
     must also write the rounded values into the float linears, so that later groups record what
-    they will see), and the layer's quantized outputs feed the next layer. Each replaced linear leaves targets.linears.
-    Returns the per-layer records and the forwards' dtype."""
+    they will see), and the layer's quantized outputs feed the next layer. Each replaced linear
+    leaves targets.linears. Returns the per-layer records and the forwards' dtype."""
 
     def solve_trimmed(prefix, layer, unit):
         # glibc keeps the freed blocks of the forwards and the smaller solves (tensors of 1-32 MiB sit
