@@ -76,11 +76,17 @@ class MemoryConfig:
     measure_peak: bool = True  # measured peak during one prefill of batch x min(context, measure_context)
     measure_context: int = 512  # cap on the measured prefill's tokens (CPU time)
     measure_decode_tokens: int = 4  # greedy tokens decoded after the measured prefill
+    prefill_chunk: Optional[int] = None  # prompt tokens per forward in the measured prefill (None: all)
+    # measure the memory-lean CPU runtime (codes packed as stored, 16-bit embedding): what a plan's
+    # memory budget counts (quantize/runtime/compact.py)
+    lean_runtime: bool = False
     # CPU: measure in a fresh process that loads the checkpoint once (a long-lived process's
     # high-water mark holds earlier work's pages); "process": in this one (GPUs always are)
     measure_in: Literal["subprocess", "process"] = "subprocess"
 
     def __post_init__(self):
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"memory.prefill_chunk must be positive, got {self.prefill_chunk}")
         if self.measure_context < 1 or self.measure_decode_tokens < 0:
             raise ValueError("memory needs measure_context >= 1 and measure_decode_tokens >= 0, got "
                              f"{self.measure_context} and {self.measure_decode_tokens}")

@@ -116,6 +116,15 @@ def activation_bytes(shape: ModelShape, batch: int, context: int, act_bytes: flo
     return int(batch * context * max(mlp, attn) * act_bytes + batch * shape.vocab * 4)
 
 
+def prefill_workspace_bytes(shape: ModelShape, batch: int, context: int, chunk: int, act_bytes: float,
+                            quantized_kv: bool = True) -> int:
+    """Workspace of a prefill fed `chunk` tokens per forward (chunked prefill): one chunk's widest
+    point (activation_bytes), plus, with a quantized cache, the keys and values one layer's
+    attention reads back dequantized over the whole context."""
+    history = batch * context * 2 * shape.kv_heads * shape.head_dim * act_bytes if quantized_kv else 0
+    return activation_bytes(shape, batch, min(chunk, context), act_bytes) + int(history)
+
+
 def predicted_total(weight_bytes: int, shape: ModelShape, batch: int, context: int,
                     kv_bytes: float, act_bytes: float) -> dict:
     kv = kv_cache_bytes(shape, context, batch, kv_bytes)

@@ -35,9 +35,10 @@ class Loadable:
 
 
 @torch.inference_mode()
-def prefill_and_decode(model, ids: torch.Tensor, decode_tokens: int) -> int:
+def prefill_and_decode(model, ids: torch.Tensor, decode_tokens: int, chunk: int | None = None) -> int:
     """Prefill `ids` (batch, tokens) with the model's own cache (a quantized one where attached),
-    decode a few greedy tokens; return the bytes the cache holds at the end."""
+    `chunk` tokens per forward (all at once without), decode a few greedy tokens; return the bytes
+    the cache holds at the end."""
     from transformers import DynamicCache
 
     from .kv_cache import cache_nbytes
@@ -47,7 +48,10 @@ def prefill_and_decode(model, ids: torch.Tensor, decode_tokens: int) -> int:
     extra = {"logits_to_keep": 1} if keep else {}
     cache = DynamicCache(config=model.config)  # a quantized KV cache replaces it where attached
     device = next(model.parameters()).device
-    out = model(input_ids=ids.to(device), use_cache=True, **{cache_kw: cache}, **extra)
+    for start in range(0, ids.shape[1], chunk or ids.shape[1]):
+        part = ids[:, start : start + (chunk or ids.shape[1])]
+        out = model(input_ids=part.to(device), use_cache=True, **{cache_kw: cache}, **extra)
+        cache = _cache_of(out)
     for _ in range(decode_tokens):
         out = model(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **{cache_kw: _cache_of(out)}, **extra)
     return cache_nbytes(_cache_of(out))
@@ -74,8 +78,10 @@ def random_prompt(vocab: int, batch: int, context: int) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(0))
 
 
-def probe(source: Loadable, batch: int, context: int, decode_tokens: int, repeats: int = 3) -> dict:
-    """In this (fresh) process: load, weigh the loaded model, then measure the prefill's peak."""
+def probe(source: Loadable, batch: int, context: int, decode_tokens: int, repeats: int = 3,
+          chunk: int | None = None, lean: bool = False) -> dict:
+    """In this (fresh) process: load, weigh the loaded model, then measure the prefill's peak
+    (`chunk` tokens per forward; `lean`: the memory-lean runtime, quantize/runtime/compact.py)."""
     # libraries imported before the baseline, so that the load's increase is the model's
     # (weights, tokenizer, its class's module), not transformers' ~150 MB of modules
     import transformers.modeling_utils  # noqa: F401
@@ -89,6 +95,11 @@ def probe(source: Loadable, batch: int, context: int, decode_tokens: int, repeat
     start = _rss()
     model, _, _ = load_target(source.target, source.trust_remote_code, source.allow_pickle)
     load_peak = proc_status_bytes("VmHWM") if _HAS_PROC else None
+    compacted = None
+    if lean:
+        from lowbit.quantize.runtime.compact import compact
+
+        compacted = compact(model)
     ids = random_prompt(ModelShape.from_config(model.config).vocab, batch, context)
     # a short first call touches every weight (safetensors are mmapped: pages come in on first
     # read) and sets up thread pools and kernels; none of it is the prefill's
@@ -96,21 +107,24 @@ def probe(source: Loadable, batch: int, context: int, decode_tokens: int, repeat
     gc.collect()
     loaded = _rss()
     # the median of a few prefills (one load): threads' allocations still move a run's peak a little
-    runs = [measure_peak(lambda: prefill_and_decode(model, ids, decode_tokens), torch.device("cpu"))
+    runs = [measure_peak(lambda: prefill_and_decode(model, ids, decode_tokens, chunk), torch.device("cpu"))
             for _ in range(repeats)]
     cache_bytes, peak = sorted(runs, key=lambda run: run[1]["increase_bytes"])[len(runs) // 2]
     return {**peak, "increase_each_bytes": [run[1]["increase_bytes"] for run in runs], "process": "fresh subprocess", "rss_before_load_bytes": start, "model_resident_bytes": loaded - start,
-            "model_tensor_bytes": resident_tensor_bytes(model), "load_peak_bytes": load_peak, "cache_bytes": cache_bytes}
+            "model_tensor_bytes": resident_tensor_bytes(model), "load_peak_bytes": load_peak, "cache_bytes": cache_bytes,
+            "prefill_chunk": chunk, "lean_runtime": compacted}
 
 
-def measure_in_subprocess(source: Loadable, batch: int, context: int, decode_tokens: int) -> dict:
+def measure_in_subprocess(source: Loadable, batch: int, context: int, decode_tokens: int,
+                          chunk: int | None = None, lean: bool = False, repeats: int = 3) -> dict:
     """Run probe() in a fresh interpreter (the same Python, the same environment) and return its
     figures; a failed child is an error naming its exit status and last stderr lines."""
     target = str(Path(source.target).resolve()) if Path(source.target).exists() else source.target
     with tempfile.TemporaryDirectory(prefix="lowbit-peak-") as tmp:
         out = Path(tmp) / "peak.json"
         cmd = [sys.executable, "-m", "lowbit.evaluate.peak_probe", target, "--out", str(out), "--batch", str(batch),
-               "--context", str(context), "--decode-tokens", str(decode_tokens)]
+               "--context", str(context), "--decode-tokens", str(decode_tokens), "--repeats", str(repeats)]
+        cmd += ["--prefill-chunk", str(chunk)] * (chunk is not None) + ["--lean"] * lean
         cmd += ["--trust-remote-code"] * source.trust_remote_code + ["--allow-pickle"] * source.allow_pickle
         # cwd: a folder where no source tree can shadow installed packages
         # a fixed mmap threshold: glibc otherwise raises it after each large free, so later tensors
@@ -132,10 +146,14 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=4)
+    parser.add_argument("--prefill-chunk", type=int, help="prompt tokens per forward (all at once without)")
+    parser.add_argument("--lean", action="store_true", help="the memory-lean runtime (packed codes, 16-bit embedding)")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--allow-pickle", action="store_true")
     a = parser.parse_args(argv)
-    figures = probe(Loadable(a.target, a.trust_remote_code, a.allow_pickle), a.batch, a.context, a.decode_tokens)
+    figures = probe(Loadable(a.target, a.trust_remote_code, a.allow_pickle), a.batch, a.context, a.decode_tokens,
+                    a.repeats, a.prefill_chunk, a.lean)
     a.out.write_text(json.dumps(figures))
 
 

@@ -5,16 +5,17 @@ import io
 
 from .report_data import layer_errors, loss_of, pareto_front
 
-KIND_STYLE = {"lowbit": ("o", "tab:blue"), "baseline": ("s", "black"), "bnb": ("^", "tab:orange")}
+KIND_STYLE = {"lowbit": ("o", "tab:blue"), "baseline": ("s", "black"), "bnb": ("^", "tab:orange"),
+              "plan": ("D", "tab:red")}
 
 
-def _figure(width=7.0, height=4.5):
+def _figure(width=7.0, height=4.5, ncols=1):
     import matplotlib
 
     matplotlib.use("Agg")  # no display: reports are written on servers
     import matplotlib.pyplot as plt
 
-    return plt, *plt.subplots(figsize=(width, height), dpi=110)
+    return plt, *plt.subplots(1, ncols, figsize=(width, height), dpi=110)
 
 
 def _png(plt, fig) -> bytes:
@@ -62,4 +63,27 @@ def layer_error_plot(rows: list[dict]) -> bytes | None:
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return _png(plt, fig)
+
+
+def budget_plot(rows: list[dict]) -> bytes | None:
+    """lowbit fit plans against the other (uniform) runs of the same model: perplexity increase
+    and mean KL over weight memory, each group joined in order of size."""
+    plans = [r for r in rows if r["kind"] == "plan" and r.get("weight_bytes")]
+    if not plans:
+        return None
+    uniform = [r for r in rows if r["kind"] == "lowbit" and r.get("weight_bytes")]
+    plt, fig, axes = _figure(11.0, 4.2, ncols=2)
+    for ax, key, label in ((axes[0], "ppl_increase_pct", "perplexity increase vs unquantized (%)"),
+                           (axes[1], "kl_mean", "mean KL vs unquantized (nats)")):
+        for group, kind, name in ((uniform, "lowbit", "uniform recipes"), (plans, "plan", "lowbit fit plans")):
+            pts = sorted((r["weight_bytes"] / 2**20, r[key], r["label"]) for r in group if r.get(key) is not None)
+            marker, color = KIND_STYLE[kind]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=name)
+            for x, y, text in pts:
+                ax.annotate(text, (x, y), textcoords="offset points", xytext=(5, 3), fontsize=7)
+        ax.set_xlabel("weight memory (MiB)  (← better)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     return _png(plt, fig)

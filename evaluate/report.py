@@ -6,7 +6,7 @@ import html
 from pathlib import Path
 from typing import Optional
 
-from .plots import layer_error_plot, tradeoff_plot
+from .plots import budget_plot, layer_error_plot, tradeoff_plot
 from .report_data import rows_for
 
 MIB = 2**20
@@ -94,6 +94,22 @@ def _html_table(head, body) -> str:
     return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
 
 
+def plan_table(rows) -> tuple[list[str], list[list[str]]]:
+    """lowbit fit plans: their formats, KV format, predicted against measured KL and memory."""
+    head = ["plan", "linears' formats", "KV cache", "predicted KL (summed)", "measured KL", "predicted MiB",
+            "measured MiB", "budget MiB"]
+    body = []
+    for r in rows:
+        if r["kind"] != "plan":
+            continue
+        peak = r["measured_peak"]
+        total = peak.get("measured_total_bytes")
+        body.append([r["label"], ", ".join(f"{k} {n}" for k, n in sorted(r["plan_formats"].items())), r["plan_kv"],
+                     _fmt(r["plan_predicted_kl"], ".4g"), _fmt(r["kl_mean"], ".4g"), _fmt(r["plan_predicted_mib"], ".1f"),
+                     _fmt(total and total / MIB, ".1f"), _fmt(r["plan_budget_mib"], ".1f")])
+    return head, body
+
+
 def kernels_note(rows) -> str:
     """Which matmul each row's quantized linears ran while timed (a kernel variant such as
     cpu_avx2, or the reference path with its reason), and the CPU as the run treated it."""
@@ -109,6 +125,8 @@ def build_sections(rows, notes) -> list[tuple[str, tuple | None, bytes | None, s
     speed = tradeoff_plot(rows, "decode_tok_s", "decode tokens/s at batch 1", higher_x_better=True)
     mem = tradeoff_plot(rows, "weight_bytes", "weight memory (MiB)", higher_x_better=False, x_scale=1 / MIB)
     layers = layer_error_plot(rows)
+    budget = budget_plot(rows)
+    plans = plan_table(rows)
     lm = lm_eval_table(rows)
     bw = sorted({f"{r['bandwidth_gbs']:.1f}" for r in rows if r.get("bandwidth_gbs")})
     speed_note = (f"Read bandwidth measured in the same run: {', '.join(bw)} GB/s; roofline tok/s = batch x "
@@ -131,6 +149,10 @@ def build_sections(rows, notes) -> list[tuple[str, tuple | None, bytes | None, s
          "The KV cache per layer counts sliding windows, shared and latent caches as the config says."),
         ("What fits: longest context (1 sequence) and concurrent sequences, by budget", fit_tables(rows), None,
          fit_note),
+        ("Budget plans (lowbit fit) against uniform recipes", plans if plans[1] else None, budget,
+         ("Each plan's predicted KL is the sum of each linear's (and the KV cache's) measured alone; its predicted "
+          "memory is weights + KV cache + chunked-prefill workspace, measured on the memory-lean CPU runtime "
+          "at the budget's context.") if plans[1] else "No lowbit fit plans among these runs."),
         ("lm-eval", lm if lm[1] else None, None, "" if lm[1] else "No lm-eval tasks were run."),
         ("Per-layer error", None, layers,
          "" if layers else "No step recorded per-layer errors (RTN does not; GPTQ-like steps do)."),

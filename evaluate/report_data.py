@@ -2,6 +2,8 @@
 and any bitsandbytes baselines; the Pareto front; per-layer errors where a step recorded them."""
 from __future__ import annotations
 
+import re
+
 import json
 from pathlib import Path
 from typing import Optional
@@ -79,8 +81,8 @@ def rows_for(runs: list[dict], labels: Optional[list[str]] = None) -> tuple[list
         label = labels[i] if labels else _get(r, "recipe", "name", default=f"run{i}")
         q, m = r.get("quality", {}), r.get("memory", {})
         base_ppl = q.get("baseline_perplexity")
-        rows.append(_row(label, "lowbit", model, q.get("perplexity"), base_ppl, q, m, _speed(r.get("speed"), "model"),
-                         {"steps": r.get("steps", [])}))
+        rows.append(_row(label, "plan" if is_plan(r) else "lowbit", model, q.get("perplexity"), base_ppl, q, m,
+                         _speed(r.get("speed"), "model"), {"steps": r.get("steps", []), **plan_figures(r)}))
         if base_ppl and ("baseline", model) not in seen:
             seen.add(("baseline", model))
             base_mem = {"weight_bytes": m.get("baseline_weight_bytes"), "predicted": m.get("baseline_predicted"),
@@ -103,6 +105,32 @@ def rows_for(runs: list[dict], labels: Optional[list[str]] = None) -> tuple[list
         for row in rows:
             row["label"] = f"{row['label']} [{row['model']}]"
     return rows, notes
+
+
+PLAN_MARK = "lowbit fit:"  # how a plan's recipe description begins (recipes/fit_plan.py)
+
+
+def is_plan(run: dict) -> bool:
+    return str(_get(run, "recipe", "description", default="")).startswith(PLAN_MARK)
+
+
+def plan_figures(run: dict) -> dict:
+    """A plan's formats (how many linears each), KV format and predictions, from its recipe."""
+    if not is_plan(run):
+        return {}
+    recipe = run["recipe"]
+    formats = (recipe.get("scheme") or {}).get("formats") or (recipe.get("scheme") or {}).get("types") or {}
+    counts: dict[str, int] = {}
+    for kind in formats.values():
+        counts[kind] = counts.get(kind, 0) + 1
+    kv = next((s["kv_cache"]["format"] for s in recipe.get("steps", []) if "kv_cache" in s), "f16")
+    description = recipe["description"]
+    predicted_kl = re.search(r"predicted summed KL ([0-9.e+-]+)", description)
+    predicted_mib = re.search(r"predicted memory ([0-9.]+) MiB of ([0-9.]+) MiB", description)
+    return {"plan_formats": counts, "plan_kv": kv,
+            "plan_predicted_kl": float(predicted_kl.group(1)) if predicted_kl else None,
+            "plan_predicted_mib": float(predicted_mib.group(1)) if predicted_mib else None,
+            "plan_budget_mib": float(predicted_mib.group(2)) if predicted_mib else None}
 
 
 def loss_of(row: dict) -> Optional[float]:

@@ -1,7 +1,8 @@
 """How much each linear's quantization costs the model, measured: KL of the output distribution.
 
-For every decoder-layer linear and every candidate GGML type (or f16, which costs nothing), the
-linear alone is rounded to that type (llama.cpp's reference rounding), the model runs on the
+For every decoder-layer linear and every candidate format (a GGML type, an integer format such
+as int4_g64, or f16, which costs nothing), the linear alone is rounded to that format (llama.cpp's
+reference rounding, or round-to-nearest on the integer grid), the model runs on the
 calibration tokens and the mean per-token KL(float || this), summed in float64 (float32 alone
 leaves ~1e-7 nats of rounding, as much as a Q8_0 linear costs), is its loss. Only the layers from
 the linear's own onward run: the float inputs of every decoder layer are recorded once, earlier
@@ -25,18 +26,37 @@ from lowbit.calibrate.progress import Progress
 from lowbit.calibrate.walker import pass_through
 from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme, fallback_type, quantize_gguf
 from lowbit.quantize.grids.gguf_plan import F16
+from lowbit.quantize.grids.int_plan import fits_columns, format_bytes, int_format
+from lowbit.quantize.grids.kv import KVCacheConfig
+from lowbit.quantize.grids.quantized_weight import quantize_rtn
+from lowbit.quantize.runtime import kv_cache
 
 from .kl import token_kl
 
 CANDIDATES = ("q4_0", "q4_k", "q5_0", "q6_k", "q8_0", F16)  # Q4_1 left out: see fit_candidates
+# compressed-tensors: group 64 and 128 (128 only where it divides the rows), 3, 4 and 8 bits
+INT_CANDIDATES = ("int3_g64", "int4_g64", "int4_g128", "int8", F16)
+# KV cache formats, scaled per token and head (no calibration to measure them): bytes from a cache
+KV_CANDIDATES = ("int4", "int8", "fp8", F16)
+
+
+def is_int_format(kind: str) -> bool:
+    return kind.startswith("int")
 
 
 def type_bytes(kind: str, rows: int, cols: int) -> int:
-    """Bytes of a (rows, cols) weight stored as GGML type `kind` (f16: 2 per weight)."""
-    if kind == F16:
-        return rows * cols * 2
+    """Bytes of a (rows, cols) weight stored as GGML type or integer format `kind` (f16: 2 per weight)."""
+    if kind == F16 or is_int_format(kind):
+        return format_bytes(kind, rows, cols)
     layout = LAYOUTS[kind]
     return rows * (cols // layout.block) * layout.type_size
+
+
+def rounded(kind: str, weight: torch.Tensor, name: str) -> torch.Tensor:
+    """The weight as format `kind` holds it, dequantized."""
+    if is_int_format(kind):
+        return quantize_rtn(weight, int_format(kind)).dequantize()
+    return quantize_gguf(weight, GGUFScheme(kind), name).dequantize()
 
 
 @dataclass(frozen=True)
@@ -47,13 +67,15 @@ class Option:
 
 
 def linear_options(model: nn.Module, arch: Arch, kinds=CANDIDATES) -> dict[str, dict[str, int]]:
-    """Per decoder-layer linear, the types it can take (after llama.cpp's fallbacks for rows a
-    block does not divide, duplicates merged) and their bytes."""
+    """Per decoder-layer linear, the formats it can take and their bytes: GGML types after
+    llama.cpp's fallbacks for rows a block does not divide (duplicates merged); integer formats
+    whose group divides the rows."""
     out = {}
     for name, module in target_linears(model, arch).items():
         rows, cols = linear_weight(module).shape
-        kinds_here = {F16 if k == F16 else fallback_type(k, cols) for k in kinds}
-        out[name] = {k: type_bytes(k, rows, cols) for k in sorted(kinds_here - {None})}
+        kinds_here = {k if k == F16 or is_int_format(k) else fallback_type(k, cols) for k in kinds}
+        kinds_here = {k for k in kinds_here if k is not None and (not is_int_format(k) or fits_columns(k, cols))}
+        out[name] = {k: type_bytes(k, rows, cols) for k in sorted(kinds_here)}
     return out
 
 
@@ -76,11 +98,53 @@ def measure(model: nn.Module, arch: Arch, batches: torch.Tensor, options: dict[s
         original = weight.detach().clone()
         losses[name] = {F16: 0.0} if F16 in kinds else {}
         for kind in (k for k in kinds if k != F16):
-            weight.copy_(quantize_gguf(original, GGUFScheme(kind), name).dequantize().to(weight.dtype))
+            weight.copy_(rounded(kind, original, name).to(weight.dtype))
             losses[name][kind] = _tail_kl(model, layers, index, layer_inputs[index], chunks, reference)
             progress.step(f"{name} {kind} {losses[name][kind]:.2e}")
         weight.copy_(original)
     return losses
+
+
+@torch.no_grad()
+def measure_kv(model: nn.Module, batches: torch.Tensor, kinds=KV_CANDIDATES, micro_batch: int = 4) -> dict[str, float]:
+    """Per KV format, the mean per-token KL when the cache alone holds that format (attention reads
+    every token's K/V back from the quantized store, as decoding does); f16 costs nothing."""
+    chunks = list(batches.to(model.get_input_embeddings().weight.device).split(micro_batch))
+    reference = [model(input_ids=ids, use_cache=False).logits.float() for ids in chunks]
+    losses = {F16: 0.0} if F16 in kinds else {}
+    for kind in (k for k in kinds if k != F16):
+        kv_cache.attach(model, kv_format(kind))
+        try:
+            total, count = 0.0, 0
+            for ids, ref in zip(chunks, reference):
+                kl = token_kl(ref, model(input_ids=ids, use_cache=True).logits, torch.float64)
+                total, count = total + float(kl.double().sum()), count + kl.numel()
+        finally:
+            kv_cache.detach(model)
+        losses[kind] = total / count
+    return losses
+
+
+def kv_format(kind: str) -> KVCacheConfig:
+    """A KV candidate as the kv_cache step's config: scales per token and head (int4: groups of 32)."""
+    return KVCacheConfig(format=kind, strategy="token")
+
+
+@torch.no_grad()
+def kv_bytes_per_element(model: nn.Module, kind: str, tokens: int = 16) -> float:
+    """Bytes per cached K/V element in format `kind`, scales included, weighed from a real cache
+    after a short prefill (f16: 2)."""
+    if kind == F16:
+        return 2.0
+    from .kv_cache import measure_kv_cache
+
+    kv_cache.attach(model, kv_format(kind))
+    try:
+        ids = torch.arange(3, 3 + tokens).unsqueeze(0)
+        figures = measure_kv_cache(model, ids, decode_steps=0)
+    finally:
+        kv_cache.detach(model)
+    return 2.0 * figures["ratio_to_16bit"]
 
 
 def _record_layer_inputs(model, layers, chunks) -> list[list[torch.Tensor]]:

@@ -15,7 +15,8 @@ from .baseline import cached_baseline
 from .config import EvaluateConfig, MemoryConfig
 from .kl import kl_divergence
 from .kl_streamed import streamed_kl_divergence
-from .memory import ModelShape, fit_table, measure_peak, model_weight_bytes, predicted_total
+from .memory import (ModelShape, fit_table, kv_cache_bytes, measure_peak, model_weight_bytes, predicted_total,
+                     prefill_workspace_bytes)
 from .peak_probe import Loadable, measure_in_subprocess, prefill_and_decode, random_prompt
 DEFAULT_KV_BYTES = 2.0  # a cache nothing quantizes: 16-bit keys and values
 
@@ -136,15 +137,23 @@ def measured_prefill_peak(model, shape: ModelShape, cfg: MemoryConfig, source: O
     param = next(model.parameters())
     context = min(cfg.context, cfg.measure_context)
     steps = cfg.measure_decode_tokens
+    chunk = cfg.prefill_chunk
     if param.device.type == "cpu" and source is not None and cfg.measure_in == "subprocess":
-        peak = measure_in_subprocess(source, cfg.batch, context, steps)
+        peak = measure_in_subprocess(source, cfg.batch, context, steps, chunk, cfg.lean_runtime)
     else:
+        if cfg.lean_runtime:
+            raise ValueError("memory.lean_runtime is measured in a fresh CPU process (measure_in: subprocess)")
         ids = random_prompt(shape.vocab, cfg.batch, context)
-        cache_bytes, peak = measure_peak(lambda: prefill_and_decode(model, ids, steps), param.device)
+        cache_bytes, peak = measure_peak(lambda: prefill_and_decode(model, ids, steps, chunk), param.device)
         peak.update(process="this process", cache_bytes=cache_bytes)
     elem = param.element_size()
     kv = getattr(model, "lowbit_kv_cache", None)
-    predicted = predicted_total(0, shape, cfg.batch, context + steps, kv.bytes_per_element if kv else elem, elem)
-    return {**peak, "batch": cfg.batch, "context": context, "decode_tokens": steps,
-            "dtype": str(param.dtype).removeprefix("torch."), "predicted_kv_cache": predicted["kv_cache"],
-            "predicted_kv_plus_activations": predicted["kv_cache"] + predicted["activations"]}
+    kv_elem = kv.stored_bytes_per_element(shape.head_dim) if kv else elem
+    kv_bytes = kv_cache_bytes(shape, context + steps, cfg.batch, kv_elem)
+    work = prefill_workspace_bytes(shape, cfg.batch, context, chunk or context, elem, kv is not None)
+    out = {**peak, "batch": cfg.batch, "context": context, "decode_tokens": steps, "prefill_chunk": chunk,
+           "dtype": str(param.dtype).removeprefix("torch."), "predicted_kv_cache": kv_bytes,
+           "predicted_kv_plus_activations": kv_bytes + work}
+    if "model_resident_bytes" in peak:  # the whole footprint: the loaded model, then the prefill's rise
+        out["measured_total_bytes"] = peak["model_resident_bytes"] + peak["increase_bytes"]
+    return out

@@ -25,6 +25,7 @@ from lowbit.quantize.grids.kv import KVCacheConfig
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.gguf import GGUFScheme
 from lowbit.quantize.grids.gguf_plan import GGUFTypes, sixteen_bit_reason
+from lowbit.quantize.grids.int_plan import PLANNED_SIXTEEN_BIT, IntTypes
 from lowbit.quantize.targets import gguf_types
 
 from .schema import Recipe, parse_recipe
@@ -59,7 +60,10 @@ def expected_schemes(recipe: Recipe, model: nn.Module, arch: Arch):
 
 def _per_linear(writes: LinearScheme, model: nn.Module, arch: Arch, targeted, ignored: dict) -> dict:
     """What a step leaves on each targeted linear: its one scheme, or under a llama.cpp file type
-    each linear's GGML type (those no block fits stay 16-bit, as the step leaves them)."""
+    each linear's GGML type (those no block fits stay 16-bit, as the step leaves them), or under a
+    format per linear each one's planned IntScheme."""
+    if isinstance(writes.weights, IntTypes):
+        return _per_linear_int(writes.weights, targeted, ignored)
     if not isinstance(writes.weights, GGUFTypes):
         return {name: writes for name in targeted}
     out = {}
@@ -68,6 +72,17 @@ def _per_linear(writes: LinearScheme, model: nn.Module, arch: Arch, targeted, ig
             ignored[name] = sixteen_bit_reason(writes.weights, name)
         else:
             out[name] = LinearScheme(GGUFScheme(kind))
+    return out
+
+
+def _per_linear_int(types: IntTypes, targeted, ignored: dict) -> dict:
+    out = {}
+    for name in targeted:
+        scheme = types.scheme_of(name)
+        if scheme is None:
+            ignored[name] = PLANNED_SIXTEEN_BIT
+        else:
+            out[name] = LinearScheme(scheme)
     return out
 
 

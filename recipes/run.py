@@ -38,6 +38,7 @@ from lowbit.quantize.audit import damping_notes
 from .audit import audit_run, expected_schemes
 from .lock import output_lock
 from .preflight import preflight, preflight_tokenizer
+from .fit_recipe import resolve_fit
 from .resume import RunProgress
 from .schema import Recipe
 from .streamed import PortionAudit, apply_steps_streamed, load_skeleton, streaming_folder
@@ -61,6 +62,7 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
     """recipe -> load and calibrate -> quantize -> audit -> export -> evaluate -> report; returns
     results.json's content. With resume, continue an interrupted run of the same recipe where it
     stopped: from its last finished layer, or, when it had exported, with the evaluation alone."""
+    recipe = resolve_fit(recipe)  # a budget becomes its plan (on every rank, before anything else)
     if not world().main:  # under torchrun: the other ranks calibrate with rank 0, which alone writes
         from .ranks import calibrate_only
 

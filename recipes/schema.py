@@ -16,6 +16,7 @@ from lowbit.export.config import ExportConfig
 
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.steps.registry import STEPS
+from .fit_plan import FitConfig
 from .validate import RecipeError, build, to_plain
 
 SHIPPED_DIR = Path(__file__).parent
@@ -40,6 +41,9 @@ class Recipe:
     scheme: Optional[dict[str, Any]] = None
     steps: tuple[Step, ...] = ()
     ignore: tuple[str, ...] = ("lm_head",)  # module names, trailing paths or re:REGEX
+    # a budget (bits per weight, or memory at a context): the run first plans a format per linear
+    # and a KV format for it (lowbit fit), then quantizes to that plan
+    fit: Optional[FitConfig] = None
     export: ExportConfig = field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
 

@@ -34,21 +34,26 @@ def fit(capsys, model_dir, *args) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[0])
 
 
+def fit_gguf(capsys, model_dir, *args) -> dict:
+    assert main(["fit", model_dir, *SMALL_FIT, "--json", "--format", "gguf", "--step", "rtn", *args]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[0])
+
+
 def test_a_plan_fits_its_budget_and_a_second_budget_reuses_the_sensitivities(model_dir, capsys):
-    tight = fit(capsys, model_dir, "--budget-bits-per-weight", "5")
-    loose = fit(capsys, model_dir, "--budget-bits-per-weight", "7")
+    tight = fit_gguf(capsys, model_dir, "--budget-bits-per-weight", "5")
+    loose = fit_gguf(capsys, model_dir, "--budget-bits-per-weight", "7")
     assert not tight["sensitivities_cached"] and loose["sensitivities_cached"]
     assert tight["bits_per_weight"] <= 5 and loose["bits_per_weight"] <= 7
     assert tight["plan_bytes"] <= tight["budget_bytes"]
     assert loose["predicted_kl_sum"] < tight["predicted_kl_sum"]
     assert len(tight["types"]) == 14 and set(tight["types"].values()) <= {"q4_0", "q4_k", "q5_0", "q6_k", "q8_0", "f16"}
-    everything = fit(capsys, model_dir, "--budget-bits-per-weight", "17")  # 16 + the solver's slack
+    everything = fit_gguf(capsys, model_dir, "--budget-bits-per-weight", "17")  # 16 + the solver's slack
     assert everything["predicted_kl_sum"] == 0.0 and set(everything["types"].values()) == {"f16"}
 
 
 def test_the_written_recipe_quantizes_each_linear_to_its_planned_type(model_dir, tmp_path, capsys):
     plan_file = tmp_path / "plan.yaml"
-    plan = fit(capsys, model_dir, "--budget-bits-per-weight", "5.5", "--write", str(plan_file))
+    plan = fit_gguf(capsys, model_dir, "--budget-bits-per-weight", "5.5", "--write", str(plan_file))
     out = tmp_path / "run"
     assert main(["run", str(plan_file), "--output", str(out), *[f"--set={s}" for s in SMALL_RUN]]) == 0
     results = json.loads((out / "results.json").read_text())
@@ -62,23 +67,25 @@ def test_the_written_recipe_quantizes_each_linear_to_its_planned_type(model_dir,
 
 
 def test_a_memory_budget_takes_the_kv_cache_off_first(model_dir, capsys):
-    # the tiny llama's tied 49152 x 128 embedding alone is 6.4 MiB at Q8_0: 9 MiB leaves the
-    # linears (0.56 MiB at f16, 0.16 at Q4_0) room for f16 at 64 tokens, little at 512
-    short = fit(capsys, model_dir, "--memory", "9MiB", "--context", "64")
-    longer = fit(capsys, model_dir, "--memory", "9MiB", "--context", "512")
-    assert short["memory_split"]["kv_cache_16bit"] == 2 * 2 * 64 * 64 * 2  # K+V x layers x kv width x tokens x 2 B
-    assert set(short["types"].values()) == {"f16"} and "f16" not in longer["types"].values()
+    # the tiny llama's tied 49152 x 128 embedding alone is 6.4 MiB at Q8_0: 9.4 MiB leaves the
+    # linears (0.56 MiB at f16, 0.16 at Q4_0) room for f16 at 64 tokens, ~0.3 MiB at 512
+    short = fit_gguf(capsys, model_dir, "--memory", "9.4MiB", "--context", "64")
+    longer = fit_gguf(capsys, model_dir, "--memory", "9.4MiB", "--context", "512")
+    assert short["memory_split"]["kv_cache"] == 2 * 2 * 64 * 64 * 2  # K+V x layers x kv width x tokens x 2 B
+    assert short["kv_format"] == longer["kv_format"] == "f16"  # llama.cpp sets its own cache type
+    assert set(short["types"].values()) == {"f16"} and longer["plan_bytes"] < short["plan_bytes"] / 1.5
     assert longer["budget_bytes"] < short["budget_bytes"]
     assert longer["predicted_kl_sum"] >= short["predicted_kl_sum"]
     for plan in (short, longer):
         split = plan["memory_split"]
-        assert plan["plan_bytes"] + split["kv_cache_16bit"] + split["workspace"] + split["other_weights"] <= 9 * 2**20
+        assert plan["plan_bytes"] + split["kv_cache"] + split["workspace"] + split["other_weights"] <= 9.4 * 2**20
 
 
-def test_a_memory_budget_the_cache_alone_fills_says_what_took_it(model_dir, capsys):
+def test_a_memory_budget_nothing_fits_says_what_took_it(model_dir, capsys):
     code = main(["fit", model_dir, *SMALL_FIT, "--memory", "1MB", "--context", "4096"])
     assert code == 2
-    assert "the 16-bit KV cache (2.0 MiB), workspace (16.2 MiB)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "nothing fits" in err and "the smallest KV cache (int4, " in err and "weights outside the linears (12.0 MiB)" in err
 
 
 def test_sizes_parse_in_both_units_and_bad_ones_say_what_is_valid():
@@ -88,8 +95,12 @@ def test_sizes_parse_in_both_units_and_bad_ones_say_what_is_valid():
 
 
 def test_bad_candidate_types_are_refused(model_dir, capsys):
-    assert main(["fit", model_dir, "--budget-bits-per-weight", "5", "--types", "q4_0,q3_k"]) == 2
-    assert "q3_k; valid: q4_0, q4_1, q4_k, q5_0, q6_k, q8_0, f16" in capsys.readouterr().err
+    assert main(["fit", model_dir, "--format", "gguf", "--budget-bits-per-weight", "5", "--types", "q4_0,q3_k"]) == 2
+    assert "'q3_k' is not a GGML type; valid: q4_0, q4_1, q4_k, q5_0, q6_k, q8_0, f16" in capsys.readouterr().err
+    assert main(["fit", model_dir, "--budget-bits-per-weight", "5", "--types", "int4_g64,q4_0"]) == 2
+    assert "'q4_0' is not a weight format; valid: int<bits>" in capsys.readouterr().err
+    assert main(["fit", model_dir, "--format", "gguf", "--memory", "9MiB", "--kv-formats", "int8"]) == 2
+    assert "the GGUF export keeps a 16-bit KV cache" in capsys.readouterr().err
 
 
 def test_scheme_types_are_validated_and_f16_leaves_a_linear_float_with_the_reason(tmp_path):
@@ -106,3 +117,51 @@ def test_scheme_types_are_validated_and_f16_leaves_a_linear_float_with_the_reaso
     assert linear_type(types, "model.layers.0.mlp.down_proj", 0, 2, 256) == "q6_k"
     assert linear_type(types, "model.layers.0.mlp.down_proj", 0, 2, 128) == "q8_0"  # q6_k falls back
     assert linear_type(types, "model.layers.0.mlp.up_proj", 0, 2, 128) == "q4_0"  # the file type's rule
+
+
+def test_integer_plans_fit_the_budget_and_choose_from_the_measured_formats(model_dir, capsys):
+    plan = fit(capsys, model_dir, "--budget-bits-per-weight", "5")
+    assert plan["bits_per_weight"] <= 5 and plan["kv_format"] == "f16"
+    assert set(plan["types"].values()) <= {"int3_g64", "int4_g64", "int4_g128", "int8", "f16"}
+    assert len(set(plan["types"].values())) > 1  # 5 bits sits between the formats: a mixture
+
+
+def test_a_memory_budget_chooses_the_kv_format_with_the_weights(model_dir, capsys):
+    # the tiny llama's tied embedding is 12.5 MiB at 16 bits; 2 layers x 64 KV channels x 2 B = 512 B per
+    # token: at 4096 tokens a 16-bit cache takes 2 MiB, int4 0.6 MiB, so a tight budget must shrink both
+    roomy = fit(capsys, model_dir, "--memory", "40MiB", "--context", "4096")
+    tight = fit(capsys, model_dir, "--memory", "17.1MiB", "--context", "4096")
+    assert roomy["kv_format"] == "f16" and set(roomy["types"].values()) == {"f16"}
+    assert tight["kv_format"] != "f16" and tight["plan_bytes"] < roomy["plan_bytes"] / 1.5  # both gave
+    tried = {t["kv_format"]: t for t in tight["kv_formats_tried"]}
+    assert set(tried) == {"int4", "int8", "fp8", "f16"}
+    chosen = tried[tight["kv_format"]]
+    # the plan is the best of the solves, one per KV format, and each spends exactly what the KV left
+    assert chosen["predicted_kl_sum"] == min(t.get("predicted_kl_sum", float("inf")) for t in tried.values())
+    split = tight["memory_split"]
+    assert split["kv_cache"] == chosen["kv_cache_bytes"] and tight["budget_bytes"] == chosen["linears_budget"]
+    assert tight["plan_bytes"] + split["kv_cache"] + split["workspace"] + split["other_weights"] <= 17.1 * 2**20
+    assert tried["int4"]["kv_cache_bytes"] < tried["int8"]["kv_cache_bytes"] < tried["f16"]["kv_cache_bytes"]
+
+
+def test_a_recipe_with_a_budget_plans_then_runs_the_plan(model_dir, tmp_path, capsys):
+    fit(capsys, model_dir, "--memory", "17.1MiB", "--context", "4096")  # fills the cache: the run measures nothing
+    recipe = tmp_path / "budget.yaml"
+    recipe.write_text(f"model: {model_dir}\nfit: {{memory: 17.1MiB, context: 4096, samples: 2, seq_len: 32}}\n"
+                      "steps: [rtn: {}]\n")
+    out = tmp_path / "run"
+    assert main(["run", str(recipe), "--output", str(out), *[f"--set={s}" for s in SMALL_RUN]]) == 0
+    err = capsys.readouterr().err
+    assert "linears sensitivities from the cache" in err and "kv sensitivities from the cache" in err
+    written = load_recipe(str(out / "recipe.yaml"))
+    assert written.fit is None and written.scheme["default"] == "f16" and len(written.scheme["formats"]) == 14
+    kv_steps = [s for s in written.steps if s.name == "kv_cache"]
+    assert len(kv_steps) == 1 and kv_steps[0].config.strategy == "token"
+    results = json.loads((out / "results.json").read_text())
+    assert results["audit"]["passed"]
+    assert results["audit"]["checked"] == sum(1 for k in written.scheme["formats"].values() if k != "f16")
+    report = (out / "report.md").read_text()
+    assert "## Budget plans (lowbit fit) against uniform recipes" in report
+    section = report.split("## Budget plans (lowbit fit) against uniform recipes")[1]
+    row = next(line for line in section.splitlines() if line.startswith("| budget |"))
+    assert f"| {kv_steps[0].config.format} |" in row  # the plan's KV format, beside its formats

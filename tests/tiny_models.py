@@ -50,3 +50,27 @@ def save_tiny_llama(folder, seed: int = 0, layers: int = 2):
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+# a run's overrides that keep a tiny pipeline fast: two short calibration samples, a short
+# perplexity text, no baseline, KL or peak measurement
+SMALL_RUN = ("calibration.samples=2", "calibration.seq_len=32", "evaluate.baseline=false",
+             "evaluate.kl.enabled=false", "evaluate.memory.measure_peak=false",
+             "evaluate.perplexity.max_tokens=128", "evaluate.perplexity.context_len=64",
+             "evaluate.perplexity.stride=64")
+
+
+def run_on_tiny_llama(folder, recipe: dict, seed: int = 1) -> tuple:
+    """Run `recipe` (a mapping; its model set to a tiny llama saved under `folder`) with SMALL_RUN:
+    (exit code, output folder)."""
+    import json
+    from pathlib import Path
+
+    from lowbit.recipes.cli import main
+
+    folder = Path(folder)
+    model_dir = save_tiny_llama(folder / "tiny", seed=seed)
+    path = folder / "recipe.yaml"
+    path.write_text(json.dumps({"model": str(model_dir), **recipe}))
+    out = folder / "run"
+    return main(["run", str(path), "--output", str(out), *[f"--set={s}" for s in SMALL_RUN]]), out

@@ -41,7 +41,8 @@ def quantization_config(modules: dict[str, QuantLinear], float_linears: list[str
     """quantize_config.json (also config.json's quantization_config): one scheme for all modules."""
     schemes = {m.scheme for m in modules.values()}
     if len(schemes) != 1:
-        raise ValueError(f"GPTQ format holds one bit-width and group size per model; found {sorted(map(str, schemes))}")
+        raise ValueError(f"GPTQ format holds one bit-width and group size per model; found {sorted(map(str, schemes))}: "
+                         "export a format per linear as compressed-tensors (export.format: compressed-tensors)")
     scheme = schemes.pop()
     desc_act = any(m.weight_g_idx is not None and not is_plain_grouping(m.weight_g_idx, m.scheme)
                    for m in modules.values())

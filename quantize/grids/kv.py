@@ -46,6 +46,13 @@ class KVCacheConfig:
         """Code bytes per cached K/V element (int4's per-token scales and minima not counted)."""
         return 0.5 if self.format == "int4" else 1.0
 
+    def stored_bytes_per_element(self, head_dim: int) -> float:
+        """Bytes per cached K/V element, scales included: per token, a float16 scale per head
+        (int8/fp8) or a float16 scale and minimum per group (int4); static scales are negligible."""
+        if self.format == "int4":
+            return 0.5 + 4 / self.group_size
+        return 1.0 + (2 / head_dim if not self.static else 0.0)
+
     def to_file(self) -> dict:
         """The config as checkpoints store it (config.json's lowbit_kv_cache; the number format
         under its original key, `scheme`, so files stay readable both ways)."""

@@ -12,10 +12,12 @@ from lowbit.quantize.grids.fp8 import ActivationMode, FP8Scheme
 from lowbit.quantize.grids.gguf import GGUFScheme
 from lowbit.quantize.grids.gguf_plan import GGUFTypes
 from lowbit.quantize.grids.inputs import InputQuant
+from lowbit.quantize.grids.int_plan import IntTypes
 from lowbit.quantize.grids.integer import IntScheme
 
-# GGUFTypes is a step's plan (a llama.cpp file type); each linear then holds one GGUFScheme
-WeightGrid = Union[IntScheme, FP8Scheme, GGUFScheme, GGUFTypes]
+# GGUFTypes and IntTypes are a step's plan (a llama.cpp file type, a format per linear); each
+# linear then holds one GGUFScheme or IntScheme
+WeightGrid = Union[IntScheme, FP8Scheme, GGUFScheme, GGUFTypes, IntTypes]
 
 
 @dataclass(frozen=True)
@@ -26,9 +28,9 @@ class LinearScheme:
     inputs: Union[InputQuant, ActivationMode, None] = None
 
     def __post_init__(self):
-        if isinstance(self.weights, (GGUFScheme, GGUFTypes)):
+        if isinstance(self.weights, (GGUFScheme, GGUFTypes, IntTypes)):
             if self.inputs is not None:
-                raise ValueError(f"GGUF weights cannot take inputs {self.inputs!r}")
+                raise ValueError(f"{type(self.weights).__name__} weights cannot take inputs {self.inputs!r}")
             return
         fp8 = isinstance(self.weights, FP8Scheme)
         if fp8 != isinstance(self.inputs, str) or (not fp8 and not isinstance(self.inputs, (InputQuant, type(None)))):
@@ -39,7 +41,7 @@ class LinearScheme:
             return describe_int(self.weights, self.inputs)
         if isinstance(self.weights, GGUFScheme):
             return f"gguf {self.weights.type}"
-        if isinstance(self.weights, GGUFTypes):
+        if isinstance(self.weights, (GGUFTypes, IntTypes)):
             return self.weights.describe()
         return describe_fp8(self.weights, self.inputs)
 

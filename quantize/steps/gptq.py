@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Union
 
 import torch
@@ -17,11 +17,12 @@ from torch import nn
 
 from lowbit.calibrate.arch import linear_weight
 from lowbit.quantize.grids.gguf_plan import GGUFTypes
+from lowbit.quantize.grids.int_plan import IntTypes
 from lowbit.quantize.grids.integer import IntScheme, check_group_size
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.grids.quantized_weight import QuantizedWeight, quantize_rtn
 from lowbit.quantize.runtime.qlinear import QuantLinear
-from lowbit.quantize.steps import gguf_rounding
+from lowbit.quantize.steps import gguf_rounding, int_planning
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.gptq_solver import GPTQResult, HessianAccumulator, gptq_solve
 from lowbit.quantize.steps.layerwise import damping_retries, linear_stats, walk_solving
@@ -31,8 +32,9 @@ from lowbit.quantize.targets import replace_module, select_targets
 
 @dataclass(frozen=True)
 class GPTQConfig:
-    # channel or group, not tensor; or a llama.cpp file type (GGUFTypes): GPTQ onto its block grids
-    scheme: Union[IntScheme, GGUFTypes] = IntScheme(4, True, "group", 128)
+    # channel or group, not tensor; or a llama.cpp file type (GGUFTypes): GPTQ onto its block grids;
+    # or a format per linear (IntTypes): linears sharing an input solved once per format
+    scheme: Union[IntScheme, GGUFTypes, IntTypes] = IntScheme(4, True, "group", 128)
     batch_columns: int = 128  # columns per lazy batch update; rounded to a multiple of group_size
     dampening_frac: float = 0.01  # added to H's diagonal, as a fraction of its mean diagonal
     # none: columns in order; static: columns by decreasing Hessian diagonal, groups fixed
@@ -73,27 +75,47 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
     """Quantize every targeted linear inside the decoder layers with GPTQ, layer by layer."""
     if isinstance(cfg.scheme, GGUFTypes):
         return _apply_gguf(ctx, cfg)
+    if isinstance(cfg.scheme, IntTypes):
+        return _apply_planned(ctx, cfg)
     targets = select_targets(ctx.model, ctx.arch, ctx.ignore)
     for name, module in targets.linears.items():
         check_group_size(cfg.scheme, linear_weight(module).shape[1], name)
+    return _solve_all(ctx, cfg, targets, {name: cfg.scheme for name in targets.linears})
+
+
+def _apply_planned(ctx: StepContext, cfg: GPTQConfig) -> dict:
+    targets, schemes = int_planning.planned_targets(ctx, cfg.scheme)
+    return _solve_all(ctx, cfg, targets, schemes)
+
+
+def _solve_all(ctx: StepContext, cfg: GPTQConfig, targets, schemes: dict[str, IntScheme]) -> dict:
+    """GPTQ on every target in the decoder layers, each onto its own scheme; targets outside them
+    (lm_head) round to nearest."""
     outside = {n: m for n, m in targets.linears.items() if not n.startswith(ctx.arch.layers + ".")}
 
-    def install(prefix, layer, members, result, stats) -> dict:
+    def install(prefix, layer, members, parts, stats) -> dict:
         solved = {}
-        for name, qw in _install_shared(layer, members, result, stats).items():
-            old = layer.get_submodule(name)
-            device = qw.codes.device if old.weight.is_meta else old.weight.device  # meta: let go by the solve
-            solved[name] = QuantLinear.from_quantized(qw, old.bias).to(device)
+        for names, result in parts:
+            for name, qw in _install_shared(layer, names, result, stats).items():
+                old = layer.get_submodule(name)
+                device = qw.codes.device if old.weight.is_meta else old.weight.device  # meta: let go by the solve
+                solved[name] = QuantLinear.from_quantized(qw, old.bias).to(device)
         return solved
 
     def solve(prefix, layer, members, hessian):
-        return _solve_shared(layer, members, hessian, cfg)
+        groups = list(int_planning.by_scheme(prefix, members, schemes).items())
+        if len(groups) == 1:  # the usual case: the accumulator is handed over, freed once factored
+            (scheme, names), = groups
+            return [(names, _solve_shared(layer, names, hessian, replace(cfg, scheme=scheme)))]
+        H = hessian.take()  # one solve per format, rows stacked within each
+        return [(names, _solve_shared(layer, names, H if k == len(groups) - 1 else H.clone(), replace(cfg, scheme=scheme)))
+                for k, (scheme, names) in enumerate(groups)]
 
     quantized = list(targets.linears)
     layers, forward_dtype = walk_solving(ctx, cfg, targets, solve, install)
     for name, module in outside.items():  # lm_head etc. see no decoder-layer inputs: RTN
         warnings.warn(f"{name} is outside the decoder layers; quantized round-to-nearest, not GPTQ")
-        replace_module(ctx.model, name, QuantLinear.from_quantized(quantize_rtn(linear_weight(module), cfg.scheme),
+        replace_module(ctx.model, name, QuantLinear.from_quantized(quantize_rtn(linear_weight(module), schemes[name]),
                                                                    module.bias))
     return {"quantized": quantized, "ignored": targets.ignored,
             "forward_dtype": forward_dtype, "round_to_nearest": list(outside),

@@ -1,0 +1,264 @@
+"""Fit a budget: one format per decoder-layer linear and one KV-cache format, chosen together from
+measured sensitivity for the least summed loss within the budget.
+
+The budget is bits per weight over the decoder-layer linears, or a device's memory at a context
+length and batch. A memory budget first takes off the tensors outside the linears, the prefill
+workspace (in chunks of `prefill_chunk` tokens) and the KV cache; the KV formats are enumerated
+(a handful) and for each the linears get an exact knapsack solve on the bytes left, so the pair
+returned is optimal over both (up to the solver's stated slack). Sensitivities
+(evaluate/sensitivity.py) are cached per model, calibration text and candidates, so a second
+budget costs only the solves.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+
+from lowbit.calibrate.arch import arch_for, linear_weight, target_linears
+from lowbit.calibrate.cache import cache_dir
+from lowbit.calibrate.data import CalibrationConfig, calibration_batches
+from lowbit.evaluate import sensitivity
+from lowbit.evaluate.allocation import Plan, allocate, smallest_bytes
+from lowbit.evaluate.memory import ModelShape, kv_cache_bytes, prefill_workspace_bytes
+from lowbit.export.manifest import write_text_atomic
+from lowbit.quantize.grids.gguf import LAYOUTS
+from lowbit.quantize.grids.gguf_plan import F16, GGUFTypes, embedding_type, output_type
+from lowbit.quantize.grids.int_plan import int_format
+
+BASE_FILE_TYPE = "q4_k_m"  # the GGUF file type whose rules give the embedding and output their types
+SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B)\s*$", re.IGNORECASE)
+SIZE_UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+CACHE_VERSION = "kl-v2"  # bump when the measurement changes
+WEIGHT_CANDIDATES = {"compressed-tensors": sensitivity.INT_CANDIDATES, "gguf": sensitivity.CANDIDATES}
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """A budget and how to measure for it (the recipe's `fit:` key, and `lowbit fit`'s flags)."""
+
+    format: Literal["compressed-tensors", "gguf"] = "compressed-tensors"  # what the plan is written as
+    bits_per_weight: Optional[float] = None  # over the decoder-layer linears; or memory:
+    memory: Optional[str] = None  # e.g. 8GB, 7.5GiB: weights + KV cache + prefill workspace
+    context: int = 4096  # tokens per sequence (with memory)
+    batch: int = 1  # sequences at once (with memory)
+    prefill_chunk: int = 512  # prompt tokens per forward (vLLM's chunked prefill, llama.cpp's ubatch)
+    types: tuple[str, ...] = ()  # candidate weight formats; () = the format's defaults
+    kv_formats: tuple[str, ...] = ()  # candidate KV formats (memory budgets); () = all the format writes
+    dataset: str = "wiki"
+    samples: int = 2
+    seq_len: int = 256
+
+    def __post_init__(self):
+        if (self.bits_per_weight is None) == (self.memory is None):
+            raise ValueError("give one budget: bits_per_weight, or memory (with context and batch)")
+        if self.bits_per_weight is not None and self.bits_per_weight <= 0:
+            raise ValueError(f"bits_per_weight must be positive, got {self.bits_per_weight}")
+        if self.memory is not None:
+            parse_size(self.memory)
+        if min(self.context, self.batch, self.prefill_chunk, self.samples, self.seq_len) < 1:
+            raise ValueError("context, batch, prefill_chunk, samples and seq_len must be positive")
+        for kind in self.weight_candidates:
+            _check_weight_format(kind, self.format)
+        bad = [k for k in self.kv_candidates if k not in sensitivity.KV_CANDIDATES]
+        if bad:
+            raise ValueError(f"kv_formats {bad}: valid {', '.join(sensitivity.KV_CANDIDATES)}")
+        if self.format == "gguf" and set(self.kv_candidates) != {F16}:
+            raise ValueError("the GGUF export keeps a 16-bit KV cache (llama.cpp sets its cache type at "
+                             "load time); kv_formats other than f16 need format: compressed-tensors")
+
+    @property
+    def weight_candidates(self) -> tuple[str, ...]:
+        return self.types or WEIGHT_CANDIDATES[self.format]
+
+    @property
+    def kv_candidates(self) -> tuple[str, ...]:
+        if self.kv_formats:
+            return self.kv_formats
+        return sensitivity.KV_CANDIDATES if self.format == "compressed-tensors" and self.memory else (F16,)
+
+    @property
+    def calibration(self) -> CalibrationConfig:
+        return CalibrationConfig(self.dataset, self.samples, self.seq_len)
+
+
+def _check_weight_format(kind: str, fmt: str) -> None:
+    if fmt == "gguf":
+        if kind not in LAYOUTS and kind != F16:
+            raise ValueError(f"types: {kind!r} is not a GGML type; valid: {', '.join(sorted(LAYOUTS))}, {F16}")
+        return
+    int_format(kind)  # raises naming the valid forms
+
+
+@dataclass
+class FitResult:
+    plan: Plan  # the linears' formats
+    kv: str  # the KV format (f16: a 16-bit cache)
+    kv_loss: float
+    params: int  # weights in the decoder-layer linears
+    split: dict = field(default_factory=dict)  # how a memory budget was spent
+    cached: bool = False  # sensitivities came from the cache
+    tried: list = field(default_factory=list)  # per KV format: its linears' budget and total loss
+
+    @property
+    def loss(self) -> float:
+        return self.plan.loss + self.kv_loss
+
+    def summary(self) -> dict:
+        counts: dict[str, int] = {}
+        for option in self.plan.choice.values():
+            counts[option.kind] = counts.get(option.kind, 0) + 1
+        return {"linears": len(self.plan.choice), "params": self.params, "budget_bytes": self.plan.budget,
+                "plan_bytes": self.plan.bytes, "bits_per_weight": self.plan.bytes * 8 / self.params,
+                "predicted_kl_sum": self.loss, "predicted_kl_weights": self.plan.loss, "kv_format": self.kv,
+                "predicted_kl_kv": self.kv_loss, "solver_slack_bytes": self.plan.slack, "type_counts": counts,
+                "sensitivities_cached": self.cached,
+                **({"memory_split": self.split, "kv_formats_tried": self.tried} if self.split else {})}
+
+
+def fit(model, tokenizer, name: str, cfg: FitConfig) -> FitResult:
+    """Measure (or read from the cache) and solve: the plan of least summed loss in the budget."""
+    arch = arch_for(model)
+    options = sensitivity.linear_options(model, arch, cfg.weight_candidates)
+    measured, cached = _sensitivities(model, arch, tokenizer, name, cfg, options)
+    choices = {n: [sensitivity.Option(k, b, measured["linears"][n][k]) for k, b in by_kind.items()]
+               for n, by_kind in options.items()}
+    params = sum(linear_weight(m).numel() for m in target_linears(model, arch).values())
+    if cfg.bits_per_weight is not None:
+        plan = allocate(choices, int(cfg.bits_per_weight * params / 8))
+        return FitResult(plan, F16, 0.0, params, cached=cached)
+    return _fit_memory(model, cfg, choices, measured["kv"], params, cached)
+
+
+def _fit_memory(model, cfg: FitConfig, choices, kv_losses: dict, params: int, cached: bool) -> FitResult:
+    shape = ModelShape.from_config(model.config)
+    split = {"memory": parse_size(cfg.memory), "context": cfg.context, "batch": cfg.batch,
+             "prefill_chunk": cfg.prefill_chunk,
+             "workspace": prefill_workspace_bytes(shape, cfg.batch, cfg.context, cfg.prefill_chunk, 4),
+             "other_weights": _other_weight_bytes(model, cfg.format)}
+    floor = smallest_bytes(choices)
+    best, tried = None, []
+    for kind, per_element in kv_losses["bytes_per_element"].items():
+        kv = kv_cache_bytes(shape, cfg.context, cfg.batch, per_element)
+        left = split["memory"] - split["workspace"] - split["other_weights"] - kv
+        entry = {"kv_format": kind, "kv_cache_bytes": kv, "linears_budget": left}
+        tried.append(entry)
+        if left < floor:
+            continue
+        plan = allocate(choices, left)
+        entry["predicted_kl_sum"] = plan.loss + kv_losses["loss"][kind]
+        if best is None or entry["predicted_kl_sum"] < best[0]:
+            best = (entry["predicted_kl_sum"], plan, kind, kv)
+    if best is None:
+        smallest_kv = min(tried, key=lambda e: e["kv_cache_bytes"])
+        raise ValueError(
+            f"memory {cfg.memory}: nothing fits. The workspace ({split['workspace'] / 2**20:.1f} MiB), the weights "
+            f"outside the linears ({split['other_weights'] / 2**20:.1f} MiB) and the smallest KV cache "
+            f"({smallest_kv['kv_format']}, {smallest_kv['kv_cache_bytes'] / 2**20:.1f} MiB at {cfg.batch} x "
+            f"{cfg.context} tokens) leave {smallest_kv['linears_budget'] / 2**20:.1f} MiB, below the linears' "
+            f"smallest plan ({floor / 2**20:.1f} MiB); lower context or batch, or add smaller candidates")
+    _, plan, kind, kv = best
+    return FitResult(plan, kind, kv_losses["loss"][kind], params, {**split, "kv_cache": kv}, cached, tried)
+
+
+def _sensitivities(model, arch, tokenizer, name: str, cfg: FitConfig, options) -> tuple[dict, bool]:
+    """{"linears": {linear: {format: KL}}, "kv": {"loss": {format: KL}, "bytes_per_element": ..}},
+    each part from the cache or measured and cached (the linears' and the KV formats' apart, so
+    that a memory budget after a bits-per-weight one measures only the KV formats); and whether
+    nothing had to be measured."""
+    kv_kinds = sorted(cfg.kv_candidates)
+    batches = None
+    measured, cached = {}, True
+    for part, key_of in (("linears", options), ("kv", kv_kinds)):
+        path = cache_dir("sensitivity") / f"{_cache_key(model, name, cfg.calibration, part, key_of)}.json"
+        if path.is_file():
+            print(f"[lowbit] fit: {part} sensitivities from the cache ({path})", file=sys.stderr)
+            measured[part] = json.loads(path.read_text())["measured"]
+            continue
+        cached = False
+        batches = calibration_batches(cfg.calibration, tokenizer) if batches is None else batches
+        if part == "linears":
+            measured[part] = sensitivity.measure(model, arch, batches, options)
+        else:
+            measured[part] = {"loss": sensitivity.measure_kv(model, batches, kv_kinds),
+                              "bytes_per_element": {k: sensitivity.kv_bytes_per_element(model, k) for k in kv_kinds}}
+        write_text_atomic(path, json.dumps({"model": name, "calibration": vars(cfg.calibration), "part": part,
+                                            "measured": measured[part]}))
+    return measured, cached
+
+
+def _cache_key(model, name: str, calibration, part: str, candidates) -> str:
+    """The model (its config and a checksum of every parameter), the calibration and the candidates."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps([CACHE_VERSION, part, name, model.config.to_json_string(), vars(calibration),
+                              candidates], sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            digest.update(f"{pname} {float(p.double().sum())} {float(p.double().abs().sum())}".encode())
+    return digest.hexdigest()[:24]
+
+
+def parse_size(text: str) -> int:
+    match = SIZE.match(text)
+    if not match:
+        raise ValueError(f"memory {text!r}: give a size such as 8GB, 256MB or 7.5GiB")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+
+
+def _other_weight_bytes(model, fmt: str) -> int:
+    """The checkpoint's tensors outside the decoder-layer linears. compressed-tensors: 16-bit
+    (the embedding, an untied head, norms). GGUF: the token embedding (and an untied output) at
+    llama.cpp's types for the base file type, everything else float32."""
+    arch = arch_for(model)
+    linear_ids = {id(m.weight) for m in target_linears(model, arch).values()}
+    if fmt == "compressed-tensors":
+        return sum(p.numel() * 2 for p in model.parameters() if id(p) not in linear_ids)  # tied: once
+    types = GGUFTypes(BASE_FILE_TYPE)
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embed.data_ptr()
+    total = _typed_bytes(embed, embedding_type(types, embed.shape[1], tied))
+    if head is not None and not tied:
+        total += _typed_bytes(head.weight, output_type(types, head.weight.shape[1]))
+    skip = linear_ids | {id(embed)} | ({id(head.weight)} if head is not None else set())
+    return total + sum(p.numel() * 4 for p in model.parameters() if id(p) not in skip)
+
+
+def _typed_bytes(weight: torch.Tensor, kind) -> int:
+    rows, cols = weight.shape
+    return sensitivity.type_bytes(kind or F16, rows, cols)
+
+
+def plan_recipe(fit_cfg: FitConfig, result: FitResult, model: str, step: str = "gptq") -> dict:
+    """The plan as a recipe `lowbit run` takes: each linear's format, the KV format, one export."""
+    formats = {n: o.kind for n, o in result.plan.choice.items()}
+    s = result.summary()
+    scheme = ({"gguf": BASE_FILE_TYPE, "types": formats} if fit_cfg.format == "gguf"
+              else {"formats": formats, "default": F16})
+    # GPTQ as w4a16-gptq runs it (its comments say why each setting)
+    steps = [{"rtn": {}} if step == "rtn" else {"gptq": {
+        "actorder": "static", "true_sequential": False, "dampening_frac": 0.1, "scale_search": "mse"}}]
+    if result.kv != F16:
+        steps.append({"kv_cache": {"format": result.kv, "strategy": "token"}})
+    recipe = {
+        "description": (f"lowbit fit: {s['bits_per_weight']:.3f} bits per weight over the decoder-layer linears, "
+                        f"KV cache {result.kv}, predicted summed KL {s['predicted_kl_sum']:.4g}"),
+        "model": model,
+        "calibration": {"dataset": fit_cfg.dataset},
+        "scheme": scheme,
+        "steps": steps,
+        "export": {"format": fit_cfg.format},
+    }
+    if fit_cfg.memory and fit_cfg.format == "compressed-tensors":  # measure the budget's own prefill
+        split = result.split
+        predicted = split["workspace"] + split["other_weights"] + split["kv_cache"] + result.plan.bytes
+        recipe["description"] += f", predicted memory {predicted / 2**20:.1f} MiB of {split['memory'] / 2**20:.1f} MiB"
+        recipe["evaluate"] = {"memory": {
+            "batch": fit_cfg.batch, "context": fit_cfg.context, "measure_context": fit_cfg.context,
+            "measure_decode_tokens": 16, "prefill_chunk": fit_cfg.prefill_chunk, "lean_runtime": True}}
+    return recipe

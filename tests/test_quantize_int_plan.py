@@ -1,0 +1,100 @@
+"""A format per linear on integer grids (scheme.formats): names, bytes, runs, export and audit."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from tiny_models import run_on_tiny_llama
+from lowbit.quantize.grids.int_plan import IntTypes, format_bytes, format_name, int_format
+from lowbit.quantize.grids.integer import IntScheme
+from lowbit.recipes.schema import load_recipe
+from lowbit.recipes.validate import RecipeError
+
+PLAN = {"re:.*layers[.]0[.]mlp[.].*": "int8", "v_proj": "f16", "down_proj": "int3_g64", "o_proj": "int4"}
+
+
+def test_format_names_round_trip_and_bad_names_say_what_is_valid():
+    assert int_format("int4_g128") == IntScheme(4, True, "group", 128)
+    assert int_format("int8") == IntScheme(8, True, "channel") and int_format("f16") is None
+    assert format_name(IntScheme(3, True, "group", 64)) == "int3_g64"
+    with pytest.raises(ValueError, match=r"int<bits>_g<group>"):
+        int_format("int4-g128")
+    with pytest.raises(ValueError, match="formats\\['o_proj'\\]"):
+        IntTypes({"o_proj": "q4_0"})
+
+
+def test_format_bytes_count_packed_codes_and_16_bit_scales():
+    # 4 bits x 576 columns = 72 int32 words a row; 9 groups of 64 a row, 2 bytes each
+    assert format_bytes("int4_g64", 10, 576) == 10 * 72 * 4 + 10 * 9 * 2 + 16
+    assert format_bytes("int3_g64", 1, 64) == 6 * 4 + 2 + 16  # 192 bits: 6 words
+    assert format_bytes("f16", 3, 5) == 30
+
+
+def test_first_matching_pattern_wins_then_the_default():
+    types = IntTypes(PLAN, default="int4_g64")
+    assert types.format_of("model.layers.0.mlp.down_proj") == "int8"
+    assert types.format_of("model.layers.1.mlp.down_proj") == "int3_g64"
+    assert types.scheme_of("model.layers.1.self_attn.v_proj") is None
+    assert types.format_of("model.layers.1.self_attn.q_proj") == "int4_g64"
+
+
+@pytest.mark.parametrize("step", ["rtn", "gptq"])
+def test_a_run_quantizes_each_linear_to_its_format_and_the_checkpoint_says_so(step, tmp_path):
+    code, out = run_on_tiny_llama(tmp_path, {"scheme": {"formats": PLAN, "default": "int4_g64"}, "steps": [{step: {}}]})
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["audit"]["passed"] and results["audit"]["checked"] == 12  # 14 linears less 2 v_proj
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    formats = {}
+    for group in config["config_groups"].values():
+        w = group["weights"]
+        name = f"int{w['num_bits']}" + (f"_g{w['group_size']}" if w["strategy"] == "group" else "")
+        for target in group["targets"]:
+            formats[target] = name
+    with safe_open(out / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    for layer in (0, 1):
+        prefix = f"model.layers.{layer}"
+        assert f"{prefix}.self_attn.v_proj.weight" in keys  # 16-bit, as planned
+        expected = {"mlp.down_proj": "int8" if layer == 0 else "int3_g64", "self_attn.o_proj": "int4",
+                    "mlp.up_proj": "int8" if layer == 0 else "int4_g64", "self_attn.q_proj": "int4_g64"}
+        for short, kind in expected.items():
+            scale = f"{prefix}.{short}.weight_scale"
+            assert scale in keys
+            matched = [v for t, v in formats.items() if t == f"{prefix}.{short}" or
+                       (t.startswith("re:") and __import__("re").fullmatch(t[3:], f"{prefix}.{short}"))]
+            assert matched and matched[0] == kind, (short, formats)
+
+
+def test_gptq_format_refuses_a_mixture_naming_the_format_that_takes_it(tmp_path, capsys):
+    code, out = run_on_tiny_llama(tmp_path, {"scheme": {"formats": PLAN, "default": "int4_g64"},
+                                             "steps": [{"rtn": {}}], "export": {"format": "gptq"}})
+    assert code != 0
+    assert "one bit-width and group size per model" in capsys.readouterr().err
+    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+
+
+def test_awq_refuses_a_format_per_linear(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("scheme: {formats: {o_proj: int8}, default: int4_g64}\nsteps: [awq: {}]\n")
+    with pytest.raises(RecipeError, match="cannot take the recipe's scheme"):
+        load_recipe(str(bad))
+
+
+def test_the_audit_checks_each_linear_against_its_planned_format(tmp_path):
+    import yaml
+
+    from lowbit.recipes.audit import audit_checkpoint
+
+    code, out = run_on_tiny_llama(tmp_path, {"scheme": {"formats": PLAN, "default": "int4_g64"}, "steps": [{"rtn": {}}]})
+    assert code == 0 and audit_checkpoint(out).passed
+    written = yaml.safe_load((out / "recipe.yaml").read_text())
+    scheme = written["steps"][0]["rtn"]["scheme"]  # what the step was to write
+    scheme["formats"] = {"model.layers.1.self_attn.q_proj": "int8", **scheme["formats"]}
+    scheme["formats"]["v_proj"] = "int4_g64"  # the checkpoint keeps v_proj 16-bit
+    (out / "recipe.yaml").write_text(yaml.safe_dump(written, sort_keys=False))  # first match wins: keep the order
+    problems = audit_checkpoint(out).problems
+    assert any(p.startswith("model.layers.1.self_attn.q_proj") and "int8" in p for p in problems), problems
+    assert any(p.startswith("model.layers.0.self_attn.v_proj") for p in problems), problems
