@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from lowbit.calibrate.arch import arch_for, linear_weight, target_linears
 from lowbit.calibrate.cache import cache_dir
@@ -166,15 +167,28 @@ def _fit_memory(model, cfg: FitConfig, choices, kv_losses: dict, params: int, ca
     return FitResult(plan, kind, kv_losses["loss"][kind], params, {**split, "kv_cache": kv}, cached, tried)
 
 
+def kv_kinds(model, cfg: FitConfig) -> list[str]:
+    """The KV formats to weigh: the quantized cache stores full-attention layers only, so a model
+    with sliding-window (or other) layers keeps a 16-bit cache unless kv_formats asked otherwise
+    (then the measurement says why it cannot)."""
+    kinds = sorted(cfg.kv_candidates)
+    layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    if not cfg.kv_formats and set(layer_types) - {"full_attention"} and kinds != [F16]:
+        print(f"[lowbit] fit: {model.config.model_type} has {sorted(set(layer_types) - {'full_attention'})} layers, "
+              "which the quantized KV cache does not store: the KV cache stays 16-bit", file=sys.stderr)
+        return [F16]
+    return kinds
+
+
 def _sensitivities(model, arch, tokenizer, name: str, cfg: FitConfig, options) -> tuple[dict, bool]:
     """{"linears": {linear: {format: KL}}, "kv": {"loss": {format: KL}, "bytes_per_element": ..}},
     each part from the cache or measured and cached (the linears' and the KV formats' apart, so
     that a memory budget after a bits-per-weight one measures only the KV formats); and whether
     nothing had to be measured."""
-    kv_kinds = sorted(cfg.kv_candidates)
+    kv_candidates = kv_kinds(model, cfg)
     batches = None
     measured, cached = {}, True
-    for part, key_of in (("linears", options), ("kv", kv_kinds)):
+    for part, key_of in (("linears", options), ("kv", kv_candidates)):
         path = cache_dir("sensitivity") / f"{_cache_key(model, name, cfg.calibration, part, key_of)}.json"
         if path.is_file():
             print(f"[lowbit] fit: {part} sensitivities from the cache ({path})", file=sys.stderr)
@@ -185,8 +199,8 @@ def _sensitivities(model, arch, tokenizer, name: str, cfg: FitConfig, options) -
         if part == "linears":
             measured[part] = sensitivity.measure(model, arch, batches, options)
         else:
-            measured[part] = {"loss": sensitivity.measure_kv(model, batches, kv_kinds),
-                              "bytes_per_element": {k: sensitivity.kv_bytes_per_element(model, k) for k in kv_kinds}}
+            measured[part] = {"loss": sensitivity.measure_kv(model, batches, kv_candidates),
+                              "bytes_per_element": {k: sensitivity.kv_bytes_per_element(model, k) for k in kv_candidates}}
         write_text_atomic(path, json.dumps({"model": name, "calibration": vars(cfg.calibration), "part": part,
                                             "measured": measured[part]}))
     return measured, cached

@@ -165,3 +165,13 @@ def test_a_recipe_with_a_budget_plans_then_runs_the_plan(model_dir, tmp_path, ca
     section = report.split("## Budget plans (lowbit fit) against uniform recipes")[1]
     row = next(line for line in section.splitlines() if line.startswith("| budget |"))
     assert f"| {kv_steps[0].config.format} |" in row  # the plan's KV format, beside its formats
+
+
+def test_a_model_with_sliding_window_layers_keeps_a_16_bit_cache_in_its_plans(capsys):
+    from tiny_models import make_tiny_model
+    from lowbit.recipes.fit_plan import FitConfig, kv_kinds
+
+    budget = FitConfig(memory="1GB", context=4096)
+    assert kv_kinds(make_tiny_model("llama"), budget) == ["f16", "fp8", "int4", "int8"]
+    assert kv_kinds(make_tiny_model("gemma3_text"), budget) == ["f16"]  # its sliding layers: no quantized cache
+    assert "sliding_attention" in capsys.readouterr().err
