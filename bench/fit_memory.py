@@ -8,7 +8,8 @@ The run's evaluation measured (the plan's recipe asks for it) a prefill of the p
 chunks plus 16 decoded tokens on the memory-lean CPU runtime, in a fresh process: the resident set
 the loaded model took, then the rise during the prefill and decode. `--remeasure` measures again
 here instead. Printed per part: weights (the plan's linears and the tensors outside them), KV
-cache, workspace, and the total against the budget.
+cache, workspace, the runtime's overhead (resident beyond its tensors once loaded and warm), and
+the total against the budget.
 """
 import argparse
 import json
@@ -38,10 +39,12 @@ def main() -> None:
     split = plan["memory_split"]
     m = measured(args.run, plan, args.remeasure)
     total = m["model_resident_bytes"] + m["increase_bytes"]
-    rows = [("weights", plan["plan_bytes"] + split["other_weights"], m["model_resident_bytes"]),
+    weights = plan["plan_bytes"] + split["other_weights"]
+    rows = [("weights", weights, m["model_tensor_bytes"]),
+            ("overhead", split["overhead"], m["model_resident_bytes"] - m["model_tensor_bytes"]),
             ("KV cache", split["kv_cache"], m["cache_bytes"]),
             ("workspace", split["workspace"], m["increase_bytes"] - m["cache_bytes"]),
-            ("total", plan["plan_bytes"] + split["other_weights"] + split["kv_cache"] + split["workspace"], total)]
+            ("total", weights + split["overhead"] + split["kv_cache"] + split["workspace"], total)]
     print(f"plan: {plan['bits_per_weight']:.3f} bits per weight, KV {plan['kv_format']}, "
           f"{split['batch']} x {split['context']} tokens in chunks of {split['prefill_chunk']}, +16 decoded")
     print(f"{'part':<10} {'predicted MiB':>14} {'measured MiB':>13} {'measured/predicted':>19}")

@@ -118,11 +118,19 @@ def activation_bytes(shape: ModelShape, batch: int, context: int, act_bytes: flo
 
 def prefill_workspace_bytes(shape: ModelShape, batch: int, context: int, chunk: int, act_bytes: float,
                             quantized_kv: bool = True) -> int:
-    """Workspace of a prefill fed `chunk` tokens per forward (chunked prefill): one chunk's widest
-    point (activation_bytes), plus, with a quantized cache, the keys and values one layer's
-    attention reads back dequantized over the whole context."""
-    history = batch * context * 2 * shape.kv_heads * shape.head_dim * act_bytes if quantized_kv else 0
-    return activation_bytes(shape, batch, min(chunk, context), act_bytes) + int(history)
+    """Workspace of a prefill fed `chunk` tokens per forward (chunked prefill), as the CPU
+    runtime allocates it (each term seen in torch's profiler on smollm2-135m): one chunk's widest
+    activations (activation_bytes); the chunk's attention mask over the context, boolean plus the
+    float copy SDPA makes; with a quantized cache, one layer's K and V handed back dequantized over
+    the whole context, and as much again in the dequantization's temporaries; a block of the
+    output head's rows widened (quantize/runtime/compact.py)."""
+    from lowbit.quantize.runtime.compact import HEAD_ROWS
+
+    tokens = min(chunk, context)
+    mask = batch * tokens * context * 5 if context > tokens else 0
+    history = 2 * batch * context * 2 * shape.kv_heads * shape.head_dim * act_bytes if quantized_kv else 0
+    head = min(HEAD_ROWS, shape.vocab) * shape.hidden * act_bytes
+    return int(activation_bytes(shape, batch, tokens, act_bytes) + mask + history + head)
 
 
 def predicted_total(weight_bytes: int, shape: ModelShape, batch: int, context: int,

@@ -29,7 +29,10 @@ def add_parser(sub) -> None:
                         "e.g. 8GB or 7.5GiB (with --context and --batch)")
     p.add_argument("--context", type=int, default=4096, help="tokens per sequence (with --memory)")
     p.add_argument("--batch", type=int, default=1, help="sequences at once (with --memory)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per forward (with --memory)")
+    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per forward (with --memory; default: the "
+                   "largest of 512, 256, 128 at which a plan fits)")
+    p.add_argument("--overhead", default="40MiB", help="the runtime's memory beyond tensors and workspace "
+                   "(with --memory; default: lowbit's lean CPU runtime; e.g. 1GiB for vLLM)")
     p.add_argument("--format", choices=("compressed-tensors", "gguf"), default="compressed-tensors",
                    help="integer formats for vLLM/transformers, or GGML types for llama.cpp")
     p.add_argument("--types", help="candidate weight formats, comma-separated (default: compressed-tensors "
@@ -51,7 +54,7 @@ def _listed(text) -> tuple[str, ...]:
 
 def cmd_fit(args) -> int:
     cfg = FitConfig(format=args.format, bits_per_weight=args.budget_bits_per_weight, memory=args.memory,
-                    context=args.context, batch=args.batch, prefill_chunk=args.prefill_chunk,
+                    context=args.context, batch=args.batch, prefill_chunk=args.prefill_chunk, overhead=args.overhead,
                     types=_listed(args.types), kv_formats=_listed(args.kv_formats), dataset=args.dataset,
                     samples=args.samples, seq_len=args.seq_len)
     model, tokenizer, _ = load_model(args.model, torch.float32)
@@ -86,6 +89,7 @@ def print_plan(result: FitResult, config) -> None:
         print(f"memory      {split['memory'] / 2**20:.1f} MiB = linears {s['budget_bytes'] / 2**20:.1f} "
               f"+ KV cache {result.kv} {split['kv_cache'] / 2**20:.1f} ({split['batch']} x {split['context']} tokens) "
               f"+ workspace {split['workspace'] / 2**20:.1f} (prefill chunks of {split['prefill_chunk']}) "
+              f"+ runtime overhead {split['overhead'] / 2**20:.1f} "
               f"+ other weights {split['other_weights'] / 2**20:.1f}")
         for t in s["kv_formats_tried"]:
             verdict = (f"predicted KL {t['predicted_kl_sum']:.4g}" if "predicted_kl_sum" in t

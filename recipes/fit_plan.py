@@ -48,7 +48,13 @@ class FitConfig:
     memory: Optional[str] = None  # e.g. 8GB, 7.5GiB: weights + KV cache + prefill workspace
     context: int = 4096  # tokens per sequence (with memory)
     batch: int = 1  # sequences at once (with memory)
-    prefill_chunk: int = 512  # prompt tokens per forward (vLLM's chunked prefill, llama.cpp's ubatch)
+    # prompt tokens per forward (vLLM's chunked prefill, llama.cpp's ubatch); None: the largest of
+    # 512, 256, 128 at which a plan fits (smaller chunks prefill slower, in less memory)
+    prefill_chunk: Optional[int] = None
+    # the runtime's memory beyond its tensors and workspace (code pages, allocator pools, module
+    # objects): lowbit's lean CPU runtime measured 38 MiB on smollm2-135m; a GPU runtime needs more
+    # (CUDA context, graphs: set it, e.g. 1GiB for vLLM)
+    overhead: str = "40MiB"
     types: tuple[str, ...] = ()  # candidate weight formats; () = the format's defaults
     kv_formats: tuple[str, ...] = ()  # candidate KV formats (memory budgets); () = all the format writes
     dataset: str = "wiki"
@@ -62,7 +68,8 @@ class FitConfig:
             raise ValueError(f"bits_per_weight must be positive, got {self.bits_per_weight}")
         if self.memory is not None:
             parse_size(self.memory)
-        if min(self.context, self.batch, self.prefill_chunk, self.samples, self.seq_len) < 1:
+        parse_size(self.overhead)
+        if min(self.context, self.batch, self.prefill_chunk or 1, self.samples, self.seq_len) < 1:
             raise ValueError("context, batch, prefill_chunk, samples and seq_len must be positive")
         for kind in self.weight_candidates:
             _check_weight_format(kind, self.format)
@@ -136,35 +143,40 @@ def fit(model, tokenizer, name: str, cfg: FitConfig) -> FitResult:
     return _fit_memory(model, cfg, choices, measured["kv"], params, cached)
 
 
+AUTO_CHUNKS = (512, 256, 128)
+
+
 def _fit_memory(model, cfg: FitConfig, choices, kv_losses: dict, params: int, cached: bool) -> FitResult:
+    """The least-loss pair (linears' plan, KV format) at the largest prefill chunk where one fits."""
     shape = ModelShape.from_config(model.config)
-    split = {"memory": parse_size(cfg.memory), "context": cfg.context, "batch": cfg.batch,
-             "prefill_chunk": cfg.prefill_chunk,
-             "workspace": prefill_workspace_bytes(shape, cfg.batch, cfg.context, cfg.prefill_chunk, 4),
-             "other_weights": _other_weight_bytes(model, cfg.format)}
     floor = smallest_bytes(choices)
-    best, tried = None, []
-    for kind, per_element in kv_losses["bytes_per_element"].items():
-        kv = kv_cache_bytes(shape, cfg.context, cfg.batch, per_element)
-        left = split["memory"] - split["workspace"] - split["other_weights"] - kv
-        entry = {"kv_format": kind, "kv_cache_bytes": kv, "linears_budget": left}
-        tried.append(entry)
-        if left < floor:
-            continue
-        plan = allocate(choices, left)
-        entry["predicted_kl_sum"] = plan.loss + kv_losses["loss"][kind]
-        if best is None or entry["predicted_kl_sum"] < best[0]:
-            best = (entry["predicted_kl_sum"], plan, kind, kv)
-    if best is None:
-        smallest_kv = min(tried, key=lambda e: e["kv_cache_bytes"])
-        raise ValueError(
-            f"memory {cfg.memory}: nothing fits. The workspace ({split['workspace'] / 2**20:.1f} MiB), the weights "
-            f"outside the linears ({split['other_weights'] / 2**20:.1f} MiB) and the smallest KV cache "
-            f"({smallest_kv['kv_format']}, {smallest_kv['kv_cache_bytes'] / 2**20:.1f} MiB at {cfg.batch} x "
-            f"{cfg.context} tokens) leave {smallest_kv['linears_budget'] / 2**20:.1f} MiB, below the linears' "
-            f"smallest plan ({floor / 2**20:.1f} MiB); lower context or batch, or add smaller candidates")
-    _, plan, kind, kv = best
-    return FitResult(plan, kind, kv_losses["loss"][kind], params, {**split, "kv_cache": kv}, cached, tried)
+    for chunk in (cfg.prefill_chunk,) if cfg.prefill_chunk else AUTO_CHUNKS:
+        split = {"memory": parse_size(cfg.memory), "context": cfg.context, "batch": cfg.batch, "prefill_chunk": chunk,
+                 "workspace": prefill_workspace_bytes(shape, cfg.batch, cfg.context, chunk, 4),
+                 "overhead": parse_size(cfg.overhead), "other_weights": _other_weight_bytes(model, cfg.format)}
+        best, tried = None, []
+        for kind, per_element in kv_losses["bytes_per_element"].items():
+            kv = kv_cache_bytes(shape, cfg.context, cfg.batch, per_element)
+            left = split["memory"] - split["workspace"] - split["overhead"] - split["other_weights"] - kv
+            entry = {"kv_format": kind, "kv_cache_bytes": kv, "linears_budget": left}
+            tried.append(entry)
+            if left < floor:
+                continue
+            plan = allocate(choices, left)
+            entry["predicted_kl_sum"] = plan.loss + kv_losses["loss"][kind]
+            if best is None or entry["predicted_kl_sum"] < best[0]:
+                best = (entry["predicted_kl_sum"], plan, kind, kv)
+        if best is not None:
+            _, plan, kind, kv = best
+            return FitResult(plan, kind, kv_losses["loss"][kind], params, {**split, "kv_cache": kv}, cached, tried)
+    smallest_kv = min(tried, key=lambda e: e["kv_cache_bytes"])
+    raise ValueError(
+        f"memory {cfg.memory}: nothing fits. The workspace ({split['workspace'] / 2**20:.1f} MiB in prefill chunks of "
+        f"{split['prefill_chunk']}), the runtime's overhead ({split['overhead'] / 2**20:.1f} MiB), the weights "
+        f"outside the linears ({split['other_weights'] / 2**20:.1f} MiB) and the smallest KV cache "
+        f"({smallest_kv['kv_format']}, {smallest_kv['kv_cache_bytes'] / 2**20:.1f} MiB at {cfg.batch} x "
+        f"{cfg.context} tokens) leave {smallest_kv['linears_budget'] / 2**20:.1f} MiB, below the linears' "
+        f"smallest plan ({floor / 2**20:.1f} MiB); lower context or batch, or add smaller candidates")
 
 
 def kv_kinds(model, cfg: FitConfig) -> list[str]:
@@ -270,7 +282,7 @@ def plan_recipe(fit_cfg: FitConfig, result: FitResult, model: str, step: str = "
     }
     if fit_cfg.memory and fit_cfg.format == "compressed-tensors":  # measure the budget's own prefill
         split = result.split
-        predicted = split["workspace"] + split["other_weights"] + split["kv_cache"] + result.plan.bytes
+        predicted = split["workspace"] + split["overhead"] + split["other_weights"] + split["kv_cache"] + result.plan.bytes
         recipe["description"] += f", predicted memory {predicted / 2**20:.1f} MiB of {split['memory'] / 2**20:.1f} MiB"
         recipe["evaluate"] = {"memory": {
             "batch": fit_cfg.batch, "context": fit_cfg.context, "measure_context": fit_cfg.context,

@@ -13,7 +13,7 @@ from lowbit.recipes.fit import parse_size
 from lowbit.recipes.schema import load_recipe
 from lowbit.recipes.validate import RecipeError
 
-SMALL_FIT = ["--samples", "2", "--seq-len", "32"]
+SMALL_FIT = ["--samples", "2", "--seq-len", "32", "--overhead", "0MiB"]  # tiny models: no runtime overhead
 SMALL_RUN = ["calibration.samples=2", "calibration.seq_len=32", "evaluate.baseline=false",
              "evaluate.kl.enabled=false", "evaluate.memory.measure_peak=false",
              "evaluate.perplexity.max_tokens=128", "evaluate.perplexity.context_len=64",
@@ -130,8 +130,10 @@ def test_a_memory_budget_chooses_the_kv_format_with_the_weights(model_dir, capsy
     # the tiny llama's tied embedding is 12.5 MiB at 16 bits; 2 layers x 64 KV channels x 2 B = 512 B per
     # token: at 4096 tokens a 16-bit cache takes 2 MiB, int4 0.6 MiB, so a tight budget must shrink both
     roomy = fit(capsys, model_dir, "--memory", "40MiB", "--context", "4096")
-    tight = fit(capsys, model_dir, "--memory", "17.1MiB", "--context", "4096")
+    tight = fit(capsys, model_dir, "--memory", "21.1MiB", "--context", "4096")
     assert roomy["kv_format"] == "f16" and set(roomy["types"].values()) == {"f16"}
+    # the largest prefill chunk at which a plan fits: a tight budget prefills in smaller ones
+    assert roomy["memory_split"]["prefill_chunk"] == 512 > tight["memory_split"]["prefill_chunk"]
     assert tight["kv_format"] != "f16" and tight["plan_bytes"] < roomy["plan_bytes"] / 1.5  # both gave
     tried = {t["kv_format"]: t for t in tight["kv_formats_tried"]}
     assert set(tried) == {"int4", "int8", "fp8", "f16"}
@@ -140,14 +142,14 @@ def test_a_memory_budget_chooses_the_kv_format_with_the_weights(model_dir, capsy
     assert chosen["predicted_kl_sum"] == min(t.get("predicted_kl_sum", float("inf")) for t in tried.values())
     split = tight["memory_split"]
     assert split["kv_cache"] == chosen["kv_cache_bytes"] and tight["budget_bytes"] == chosen["linears_budget"]
-    assert tight["plan_bytes"] + split["kv_cache"] + split["workspace"] + split["other_weights"] <= 17.1 * 2**20
+    assert tight["plan_bytes"] + split["kv_cache"] + split["workspace"] + split["other_weights"] <= 21.1 * 2**20
     assert tried["int4"]["kv_cache_bytes"] < tried["int8"]["kv_cache_bytes"] < tried["f16"]["kv_cache_bytes"]
 
 
 def test_a_recipe_with_a_budget_plans_then_runs_the_plan(model_dir, tmp_path, capsys):
-    fit(capsys, model_dir, "--memory", "17.1MiB", "--context", "4096")  # fills the cache: the run measures nothing
+    fit(capsys, model_dir, "--memory", "21.1MiB", "--context", "4096")  # fills the cache: the run measures nothing
     recipe = tmp_path / "budget.yaml"
-    recipe.write_text(f"model: {model_dir}\nfit: {{memory: 17.1MiB, context: 4096, samples: 2, seq_len: 32}}\n"
+    recipe.write_text(f"model: {model_dir}\nfit: {{memory: 21.1MiB, context: 4096, samples: 2, seq_len: 32, overhead: 0MiB}}\n"
                       "steps: [rtn: {}]\n")
     out = tmp_path / "run"
     assert main(["run", str(recipe), "--output", str(out), *[f"--set={s}" for s in SMALL_RUN]]) == 0

@@ -4,10 +4,14 @@
 - weight-only integer linears (symmetric, no act-order index) keep their codes packed densely in
   int32 words, as compressed-tensors stores them (4 bits a weight, not the int8 byte a QuantLinear
   keeps), and their scales in the 16-bit dtype they were stored in; each forward unpacks and
-  dequantizes its weight (a weight's float copy lives only during its matmul);
+  dequantizes WEIGHT_ROWS rows at a time (only a block of a weight is ever float);
 - linears a plan keeps 16-bit hold their weight in the stored 16-bit dtype, widened per forward;
 - the token embedding (and the output head tied to it) stays in its stored 16-bit dtype; lookups
-  are cast to float32, and the head multiplies in 16 bits (the last position only, in generation).
+  are cast to float32, and the head multiplies a block of vocabulary rows at a time (a 16-bit
+  matmul on the CPU copies the whole transposed table first: 54 MiB on smollm2-135m);
+- attention runs one query head at a time against its key/value head (grouped-query models):
+  transformers' SDPA path repeats every cached key and value for each query head it serves
+  (36 MiB on smollm2-135m at 8192 tokens, float32) where a mask is given, as in chunked prefill.
 So the model holds the bytes the fit's memory model counts (evaluate/memory.py). Slower than the
 QuantLinear path; it exists to run where memory, not time, is what runs out.
 """
@@ -21,6 +25,18 @@ from lowbit.quantize.grids.integer import dequantize_codes, pack_codes, unpack_c
 from lowbit.quantize.runtime.qlinear import QuantLinear
 
 
+WEIGHT_ROWS = 256  # output rows widened at once: 0.6 MiB of float32 at 576 columns, 14 MiB at 14336
+
+
+def _blockwise(x: torch.Tensor, rows: int, widen, bias) -> torch.Tensor:
+    """x @ W.T with W's rows widened a block at a time by widen(slice) (float, (block, in))."""
+    parts = []
+    for start in range(0, rows, WEIGHT_ROWS):
+        block = slice(start, min(start + WEIGHT_ROWS, rows))
+        parts.append(F.linear(x, widen(block).to(x.dtype), None if bias is None else bias[block].to(x.dtype)))
+    return torch.cat(parts, dim=-1)
+
+
 class PackedLinear(nn.Module):
     """Integer codes packed as stored, 16-bit scales; dequantized per forward."""
 
@@ -32,13 +48,15 @@ class PackedLinear(nn.Module):
         self.register_buffer("weight_scale", _narrowest_exact(module.weight_scale))
         self.register_buffer("bias", None if module.bias is None else _narrowest_exact(module.bias))
 
+    def dequantized_rows(self, rows: slice) -> torch.Tensor:
+        codes = unpack_codes(self.weight_packed[rows], self.scheme.bits, self.in_features).to(torch.int16)
+        return dequantize_codes(codes + self.scheme.qmin, self.weight_scale[rows], None, self.scheme)
+
     def dequantized_weight(self) -> torch.Tensor:
-        codes = unpack_codes(self.weight_packed, self.scheme.bits, self.in_features).to(torch.int16) + self.scheme.qmin
-        return dequantize_codes(codes, self.weight_scale, None, self.scheme)
+        return self.dequantized_rows(slice(None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantized_weight().to(x.dtype), b)
+        return _blockwise(x, self.out_features, self.dequantized_rows, self.bias)
 
 
 class HalfLinear(nn.Module):
@@ -51,20 +69,46 @@ class HalfLinear(nn.Module):
         self.register_buffer("bias", None if module.bias is None else module.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.weight.to(x.dtype), b)
+        return _blockwise(x, self.out_features, lambda rows: self.weight[rows], self.bias)
+
+
+HEAD_ROWS = 2048  # vocabulary rows widened at once: 4.5 MiB of float32 at hidden 576, 32 MiB at 4096
 
 
 class HalfHead(nn.Module):
-    """An output head whose weight stays 16-bit (shared with the embedding when tied)."""
+    """An output head whose weight stays 16-bit (shared with the embedding when tied), widened
+    HEAD_ROWS rows at a time."""
 
     def __init__(self, weight: nn.Parameter, bias):
         super().__init__()
         self.weight, self.bias = weight, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = None if self.bias is None else self.bias.to(self.weight.dtype)
-        return F.linear(x.to(self.weight.dtype), self.weight, b).to(x.dtype)
+        parts = []
+        for start in range(0, self.weight.shape[0], HEAD_ROWS):
+            rows = slice(start, start + HEAD_ROWS)
+            b = None if self.bias is None else self.bias[rows].to(x.dtype)
+            parts.append(F.linear(x, self.weight[rows].to(x.dtype), b))
+        return torch.cat(parts, dim=-1)  # the logits a generation step keeps: one position
+
+
+def head_by_head_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                           is_causal=None, **kwargs):
+    """SDPA one query head at a time against the key/value head it shares (no repeated K/V);
+    transformers' attention-function signature, (batch, heads, tokens, dim) in, (batch, tokens,
+    heads, dim) out."""
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+        raise ValueError("the lean runtime's attention takes neither softcap nor position bias")
+    groups = query.shape[1] // key.shape[1]
+    causal = query.shape[2] > 1 and attention_mask is None and (is_causal if is_causal is not None else True)
+    heads = [F.scaled_dot_product_attention(query[:, h : h + 1], key[:, h // groups : h // groups + 1],
+                                            value[:, h // groups : h // groups + 1], attn_mask=attention_mask,
+                                            dropout_p=dropout, scale=scaling, is_causal=causal)
+             for h in range(query.shape[1])]
+    return torch.cat(heads, dim=1).transpose(1, 2).contiguous(), None
+
+
+LEAN_ATTENTION = "lowbit_head_by_head"
 
 
 def _narrowest_exact(t: torch.Tensor) -> torch.Tensor:
@@ -110,8 +154,23 @@ def compact(model: nn.Module) -> dict:
         weight = _narrowest_exact(head.weight.detach())
         if weight.dtype != head.weight.dtype:
             model.set_output_embeddings(HalfHead(nn.Parameter(weight, requires_grad=False), head.bias))
+    attention = _use_head_by_head_attention(model)
     return {"packed_linears": len(packed), "half_linears": narrowed,
-            "embedding_dtype": str(embedding.weight.dtype).removeprefix("torch.")}
+            "embedding_dtype": str(embedding.weight.dtype).removeprefix("torch."), "attention": attention}
+
+
+def _use_head_by_head_attention(model: nn.Module) -> str:
+    """Switch SDPA models to head_by_head_attention (sdpa's boolean masks); others keep theirs."""
+    current = model.config._attn_implementation
+    if current != "sdpa":
+        return current
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(LEAN_ATTENTION, head_by_head_attention)
+    AttentionMaskInterface.register(LEAN_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(LEAN_ATTENTION)
+    return LEAN_ATTENTION
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
