@@ -3,8 +3,9 @@
 `compact(model)` after loading a quantized checkpoint:
 - weight-only integer linears (symmetric, no act-order index) keep their codes packed densely in
   int32 words, as compressed-tensors stores them (4 bits a weight, not the int8 byte a QuantLinear
-  keeps), and their scales in the 16-bit dtype they were stored in; each forward unpacks and
-  dequantizes WEIGHT_ROWS rows at a time (only a block of a weight is ever float);
+  keeps), and their scales in the 16-bit dtype they were stored in; each forward unpacks the codes
+  (a byte each, for the duration of the matmul) and widens WEIGHT_ROWS rows of them at a time to
+  float (only a block of a weight is ever float);
 - linears a plan keeps 16-bit hold their weight in the stored 16-bit dtype, widened per forward;
 - the token embedding (and the output head tied to it) stays in its stored 16-bit dtype; lookups
   are cast to float32, and the head multiplies a block of vocabulary rows at a time (a 16-bit
@@ -48,15 +49,16 @@ class PackedLinear(nn.Module):
         self.register_buffer("weight_scale", _narrowest_exact(module.weight_scale))
         self.register_buffer("bias", None if module.bias is None else _narrowest_exact(module.bias))
 
-    def dequantized_rows(self, rows: slice) -> torch.Tensor:
-        codes = unpack_codes(self.weight_packed[rows], self.scheme.bits, self.in_features).to(torch.int16)
-        return dequantize_codes(codes + self.scheme.qmin, self.weight_scale[rows], None, self.scheme)
+    def _widen(self, codes: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Rows of the unsigned codes (unpacked) as float weights."""
+        return dequantize_codes(codes[rows].to(torch.int16) + self.scheme.qmin, self.weight_scale[rows], None, self.scheme)
 
     def dequantized_weight(self) -> torch.Tensor:
-        return self.dequantized_rows(slice(None))
+        return self._widen(unpack_codes(self.weight_packed, self.scheme.bits, self.in_features), slice(None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _blockwise(x, self.out_features, self.dequantized_rows, self.bias)
+        codes = unpack_codes(self.weight_packed, self.scheme.bits, self.in_features)  # once per forward
+        return _blockwise(x, self.out_features, lambda rows: self._widen(codes, rows), self.bias)
 
 
 class HalfLinear(nn.Module):
