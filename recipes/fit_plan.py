@@ -152,26 +152,28 @@ def _fit_memory(model, cfg: FitConfig, choices, kv_losses: dict, params: int, ca
     floor = smallest_bytes(choices)
     for chunk in (cfg.prefill_chunk,) if cfg.prefill_chunk else AUTO_CHUNKS:
         split = {"memory": parse_size(cfg.memory), "context": cfg.context, "batch": cfg.batch, "prefill_chunk": chunk,
-                 "workspace": prefill_workspace_bytes(shape, cfg.batch, cfg.context, chunk, 4),
                  "overhead": parse_size(cfg.overhead), "other_weights": _other_weight_bytes(model, cfg.format)}
         best, tried = None, []
         for kind, per_element in kv_losses["bytes_per_element"].items():
             kv = kv_cache_bytes(shape, cfg.context, cfg.batch, per_element)
-            left = split["memory"] - split["workspace"] - split["overhead"] - split["other_weights"] - kv
-            entry = {"kv_format": kind, "kv_cache_bytes": kv, "linears_budget": left}
+            # a quantized cache hands its history back dequantized: more workspace than a 16-bit one
+            work = prefill_workspace_bytes(shape, cfg.batch, cfg.context, chunk, 4, quantized_kv=kind != F16)
+            left = split["memory"] - work - split["overhead"] - split["other_weights"] - kv
+            entry = {"kv_format": kind, "kv_cache_bytes": kv, "workspace": work, "linears_budget": left}
             tried.append(entry)
             if left < floor:
                 continue
             plan = allocate(choices, left)
             entry["predicted_kl_sum"] = plan.loss + kv_losses["loss"][kind]
             if best is None or entry["predicted_kl_sum"] < best[0]:
-                best = (entry["predicted_kl_sum"], plan, kind, kv)
+                best = (entry["predicted_kl_sum"], plan, kind, kv, work)
         if best is not None:
-            _, plan, kind, kv = best
-            return FitResult(plan, kind, kv_losses["loss"][kind], params, {**split, "kv_cache": kv}, cached, tried)
+            _, plan, kind, kv, work = best
+            return FitResult(plan, kind, kv_losses["loss"][kind], params,
+                             {**split, "kv_cache": kv, "workspace": work}, cached, tried)
     smallest_kv = min(tried, key=lambda e: e["kv_cache_bytes"])
     raise ValueError(
-        f"memory {cfg.memory}: nothing fits. The workspace ({split['workspace'] / 2**20:.1f} MiB in prefill chunks of "
+        f"memory {cfg.memory}: nothing fits. The workspace ({smallest_kv['workspace'] / 2**20:.1f} MiB in prefill chunks of "
         f"{split['prefill_chunk']}), the runtime's overhead ({split['overhead'] / 2**20:.1f} MiB), the weights "
         f"outside the linears ({split['other_weights'] / 2**20:.1f} MiB) and the smallest KV cache "
         f"({smallest_kv['kv_format']}, {smallest_kv['kv_cache_bytes'] / 2**20:.1f} MiB at {cfg.batch} x "

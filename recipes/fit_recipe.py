@@ -26,7 +26,7 @@ def resolve_fit(recipe: Recipe) -> Recipe:
     gc.collect()
     plan = plan_recipe(recipe.fit, result, recipe.model)
     data = recipe.to_dict()
-    data.pop("fit")
+    data.pop("fit", None)
     data["scheme"] = plan["scheme"]
     steps = [{name: {k: v for k, v in (options or {}).items() if k != "scheme"}}  # the plan's scheme, shared
              for step in data["steps"] for name, options in step.items()] or plan["steps"][:1]

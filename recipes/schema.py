@@ -50,6 +50,8 @@ class Recipe:
     def to_dict(self) -> dict:
         plain = to_plain(self)
         plain["steps"] = [{s.name: to_plain(s.config)} for s in self.steps]
+        if self.fit is None:  # a run's recipe.yaml says `fit:` only where it planned from a budget
+            del plain["fit"]
         return plain
 
 
