@@ -29,11 +29,11 @@ from lowbit.quantize.runtime.qlinear import QuantLinear
 WEIGHT_ROWS = 256  # output rows widened at once: 0.6 MiB of float32 at 576 columns, 14 MiB at 14336
 
 
-def _blockwise(x: torch.Tensor, rows: int, widen, bias) -> torch.Tensor:
-    """x @ W.T with W's rows widened a block at a time by widen(slice) (float, (block, in))."""
+def _blockwise(x: torch.Tensor, rows: int, widen, bias, block_rows: int = WEIGHT_ROWS) -> torch.Tensor:
+    """x @ W.T with W's rows widened block_rows at a time by widen(slice) (float, (block, in))."""
     parts = []
-    for start in range(0, rows, WEIGHT_ROWS):
-        block = slice(start, min(start + WEIGHT_ROWS, rows))
+    for start in range(0, rows, block_rows):
+        block = slice(start, min(start + block_rows, rows))
         parts.append(F.linear(x, widen(block).to(x.dtype), None if bias is None else bias[block].to(x.dtype)))
     return torch.cat(parts, dim=-1)
 
@@ -85,13 +85,8 @@ class HalfHead(nn.Module):
         super().__init__()
         self.weight, self.bias = weight, bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = []
-        for start in range(0, self.weight.shape[0], HEAD_ROWS):
-            rows = slice(start, start + HEAD_ROWS)
-            b = None if self.bias is None else self.bias[rows].to(x.dtype)
-            parts.append(F.linear(x, self.weight[rows].to(x.dtype), b))
-        return torch.cat(parts, dim=-1)  # the logits a generation step keeps: one position
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the logits a generation step keeps: one position
+        return _blockwise(x, self.weight.shape[0], lambda rows: self.weight[rows], self.bias, HEAD_ROWS)
 
 
 def head_by_head_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
