@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from .messages import shown_name
+
 SAFE_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
@@ -26,7 +28,7 @@ def check_model_folder(name: str, allow_pickle: bool = False) -> None:
     folder = Path(name).expanduser()
     if not folder.is_dir():
         if looks_like_local_path(name) or folder.exists():
-            raise FileNotFoundError(f"model folder {folder} does not exist (or is not a folder)")
+            raise FileNotFoundError(f"model folder {shown_name(str(folder))} does not exist (or is not a folder)")
         return  # a hub id: transformers fetches it (use_safetensors refuses pickle there)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder / 'config.json'}: missing; a model folder needs its config.json")
@@ -52,14 +54,63 @@ def safetensors_files(folder: Path) -> list[Path]:
     index = folder / SAFE_INDEX
     if not index.is_file():
         return sorted(folder.glob("*.safetensors"))
-    try:
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"{index}: not a valid safetensors index ({err})") from None
+    names = sorted(set(read_index(folder).values()))
     missing = [n for n in names if not (folder / n).is_file()]
     if missing:
         raise FileNotFoundError(f"{folder / missing[0]}: weight shard missing (listed in {index})")
     return [folder / n for n in names]
+
+
+def read_index(folder: Path, index_name: str = SAFE_INDEX) -> dict[str, str]:
+    """The index's weight_map (tensor name -> shard file), every shard a plain file name in `folder`:
+    checked before any shard is opened, so an entry such as `/etc/passwd` or `../x.safetensors`
+    never makes lowbit read (or a later copy write) outside the model folder."""
+    index = Path(folder) / index_name
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{index}: not a valid safetensors index ({type(err).__name__}: {err})") from None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: weight_map is a {type(weight_map).__name__}; expected a mapping of "
+                         "tensor names to shard file names")
+    for tensor, shard in weight_map.items():
+        if not _plain_file_name(shard):
+            raise ValueError(f"{index}: weight_map[{tensor!r}] is {str(shard)[:200]!r}; a shard must be a plain "
+                             f"file name in {folder} (no folder part, no '..', not absolute)")
+    return weight_map
+
+
+def _plain_file_name(name) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name and Path(name).name == name)
+
+
+def check_tensors_match(where, missing, unexpected, mismatched=(), advice: str = "") -> None:
+    """Refuse weights that do not match the model config.json describes, in one line: transformers
+    would give a missing or wrongly shaped tensor random values and carry on, and every figure
+    after that (quantized, audited, published) would be of an invented model.
+    `mismatched`: (name, stored shape, expected shape) triples; `advice` replaces the default advice."""
+    if not (missing or unexpected or mismatched):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing: {_some(sorted(missing))}")
+    if unexpected:
+        parts.append(f"unexpected: {_some(sorted(unexpected))}")
+    if mismatched:
+        shapes = [f"{name} {list(stored)} (expected {list(expected)})" for name, stored, expected in sorted(mismatched)]
+        parts.append(f"another shape: {_some(shapes)}")
+    head = " (no LM head: a headless base model?)" if "lm_head.weight" in set(missing) else ""
+    raise ValueError(f"{where}: its weights do not match the model its config.json describes; {'; '.join(parts)}"
+                     f"{head}; lowbit never fills in weights with random values: "
+                     f"{advice or 're-download or re-save the model, or fix its config.json'}")
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    """A few names and the count: a message stays one readable line for a 70B model too."""
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{len(names)} tensors, e.g. {', '.join(names[:shown])}, …"
 
 
 def _check_safetensors(path: Path) -> None:

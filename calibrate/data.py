@@ -9,6 +9,7 @@ from typing import Literal, Optional
 import torch
 
 from .corpora import CORPORA, corpus_text
+from .messages import short_repr
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class CalibrationConfig:
 
         check_device_name(self.device, "calibration.device")
         if self.offload not in OFFLOADS:
-            raise ValueError(f"calibration.offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
+            raise ValueError(f"calibration.offload must be one of {', '.join(OFFLOADS)}, "
+                             f"got {short_repr(self.offload)}")
         if self.samples < 1 or self.seq_len < 2:
             raise ValueError(f"calibration needs samples >= 1 and seq_len >= 2, got samples {self.samples} "
                              f"and seq_len {self.seq_len}")
@@ -67,7 +69,7 @@ def _jsonl_texts(path: Path, column: str) -> list[str]:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
         if not isinstance(record, dict) or column not in record:
-            raise ValueError(f"{path}:{lineno}: expected an object with a {column!r} field")
+            raise ValueError(f"{path}:{lineno}: expected an object with a {short_repr(column)} field")
         texts.append(str(record[column]))
     return texts
 
@@ -79,11 +81,12 @@ def _datasets_text(name, split, config, column) -> str:
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as err:  # the datasets library raises many types; keep its message
         raise ValueError(
-            f"could not load dataset {name!r} (config {config!r}, split {split!r}): {err}. "
+            f"could not load dataset {short_repr(name)} (config {short_repr(config)}, "
+            f"split {short_repr(split)}): {err}. "
             f"Built-in corpora need no network: {sorted(CORPORA)}; local .txt/.jsonl files work too."
         ) from err
     if column not in ds.column_names:
-        raise ValueError(f"dataset {name!r} has no column {column!r}; columns: {ds.column_names}")
+        raise ValueError(f"dataset {short_repr(name)} has no column {short_repr(column)}; columns: {ds.column_names}")
     return "\n\n".join(t for t in ds[column] if t)
 
 
@@ -94,7 +97,7 @@ def calibration_batches(cfg: CalibrationConfig, tokenizer) -> torch.Tensor:
     if len(ids) < cfg.seq_len + 1:
         empty = " (the text is empty)" if not text.strip() else ""
         raise ValueError(
-            f"calibration data {cfg.dataset!r} has {len(ids)} tokens{empty}, fewer than one sample of "
+            f"calibration data {short_repr(cfg.dataset)} has {len(ids)} tokens{empty}, fewer than one sample of "
             f"seq_len {cfg.seq_len}; use more text or a smaller calibration.seq_len"
         )
     gen = torch.Generator().manual_seed(cfg.seed)

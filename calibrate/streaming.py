@@ -16,8 +16,8 @@ float32, 0.44 GB in bf16) plus what the caller keeps between layers, instead of 
 """
 from __future__ import annotations
 
-import json
 import math
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -25,8 +25,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .checks import SAFE_INDEX, safetensors_files
+from .checks import SAFE_INDEX, check_tensors_match, read_index, safetensors_files
 from .hardware import return_freed_memory
+
+# tensors older checkpoints store that models now compute (transformers skips them on load too)
+LEGACY_TENSORS = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
 
 
 class ShardedWeights:
@@ -42,9 +45,8 @@ class ShardedWeights:
         if not files:
             raise FileNotFoundError(f"{self.folder}: streaming reads safetensors weights, and there is "
                                     f"neither model.safetensors nor {SAFE_INDEX}")
-        index = self.folder / SAFE_INDEX
-        if index.is_file():
-            return dict(json.loads(index.read_text())["weight_map"])
+        if (self.folder / SAFE_INDEX).is_file():
+            return dict(read_index(self.folder))
         shard_of = {}
         for path in files:
             with open_shard(path) as handle:
@@ -53,12 +55,15 @@ class ShardedWeights:
 
     def numel(self) -> int:
         """Elements of all tensors, from the shards' headers (nothing is read)."""
-        total = 0
+        return sum(math.prod(shape) for shape in self.shapes().values())
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each tensor's shape, from the shards' headers (nothing is read)."""
+        shapes = {}
         for shard in sorted(set(self.shard_of.values())):
             with open_shard(self.folder / shard) as handle:
-                for name in handle.keys():
-                    total += math.prod(handle.get_slice(name).get_shape())
-        return total
+                shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})
+        return shapes
 
     def __contains__(self, name: str) -> bool:
         return name in self.shard_of
@@ -124,6 +129,38 @@ def empty_model(path: str | Path, dtype: torch.dtype = torch.float32, trust_remo
 
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval()
+
+
+def check_weights_match(model: nn.Module, weights: ShardedWeights) -> None:
+    """Before any calibration: every parameter of the skeleton is stored under one of its names
+    (a tied head needs none of its own) with the skeleton's shape, and the shards hold nothing the
+    model has no place for; else one line names them (a missing one would stop the walk hours in)."""
+    stored = weights.shapes()
+    names_of: dict[int, tuple[nn.Parameter, list[str]]] = {}  # a tied parameter once, with all its names
+    for full, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), (param, []))[1].append(full)
+    missing, mismatched = [], []
+    for param, names in names_of.values():
+        name = next((n for n in names if n in stored), None)
+        if name is None:
+            missing.append(names[0])
+        elif stored[name] != tuple(param.shape):
+            mismatched.append((name, stored[name], tuple(param.shape)))
+    known = set(model.state_dict(keep_vars=True))  # persistent buffers too; non-persistent ones are computed
+    ignored = re.compile("|".join([*(model._keys_to_ignore_on_load_unexpected or []), *LEGACY_TENSORS]))
+    unexpected = [n for n in stored if n not in known and not ignored.search(n)]
+    check_tensors_match(weights.folder, missing, unexpected, mismatched, _conversion_advice(model))
+
+
+def _conversion_advice(model: nn.Module) -> str:
+    """Why a checkpoint transformers loads may still not stream: transformers converts some models'
+    stored tensors on load (per-expert MoE weights into fused 3-D ones), a streamed run reads them as stored."""
+    from transformers.conversion_mapping import extract_weight_conversions_for_model
+
+    if not extract_weight_conversions_for_model(model):
+        return ""
+    return (f"transformers converts {model.config.model_type!r} checkpoints' tensors on load and a streamed run "
+            "reads them as stored: run it resident (calibration.streaming: false)")
 
 
 def buffers_to(model: nn.Module, device) -> None:

@@ -5,12 +5,28 @@ bitsandbytes baselines off until a recipe (or `--set evaluate.speed.enabled=true
 """
 from __future__ import annotations
 
+import importlib.util
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
+
+from lowbit.calibrate.messages import short_repr
 
 
 class MissingPackageError(ImportError):
     """An option asks for an optional package that is not installed (the message says which)."""
+
+
+def lm_eval_missing(tasks, reason: str = "not installed") -> MissingPackageError:
+    return MissingPackageError(f"evaluate.lm_eval.tasks {short_repr(list(tasks))} needs lm-eval ({reason}): "
+                               "pip install 'lowbit[eval]', or leave the tasks empty")
+
+
+def require_evaluation_packages(cfg: "EvaluateConfig") -> None:
+    """The optional packages the evaluation options need, checked before a run does any work
+    (bitsandbytes is not: an unavailable baseline is reported as such, not fatal)."""
+    if cfg.lm_eval.tasks and importlib.util.find_spec("lm_eval") is None:
+        raise lm_eval_missing(cfg.lm_eval.tasks)
 
 
 @dataclass(frozen=True)
@@ -60,7 +76,7 @@ class SpeedConfig:
         if self.prompt_len < 1 or self.new_tokens < 2 or self.repeats < 1 or self.warmup < 0:
             raise ValueError("speed needs prompt_len >= 1, new_tokens >= 2, repeats >= 1, warmup >= 0")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ValueError(f"speed.batch_sizes must be positive integers, got {list(self.batch_sizes)}")
+            raise ValueError(f"speed.batch_sizes must be positive integers, got {short_repr(list(self.batch_sizes))}")
 
 
 @dataclass(frozen=True)
@@ -90,6 +106,14 @@ class MemoryConfig:
         if self.measure_context < 1 or self.measure_decode_tokens < 0:
             raise ValueError("memory needs measure_context >= 1 and measure_decode_tokens >= 0, got "
                              f"{self.measure_context} and {self.measure_decode_tokens}")
+        if self.batch < 1 or self.context < 1 or self.fit_context < 1:
+            raise ValueError(f"memory needs batch, context and fit_context >= 1, got {self.batch}, {self.context} "
+                             f"and {self.fit_context}")
+        sizes = {"act_bytes": (self.act_bytes,), "budgets_gb": self.budgets_gb,
+                 "kv_bytes": () if self.kv_bytes is None else (self.kv_bytes,)}
+        for key, values in sizes.items():  # NaN compares false to every bound: said as such
+            if not all(math.isfinite(v) and v > 0 for v in values):
+                raise ValueError(f"memory.{key} must be finite and positive, got {short_repr(list(values))}")
 
 
 @dataclass(frozen=True)

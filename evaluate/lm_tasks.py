@@ -20,7 +20,7 @@ import yaml
 from lowbit.calibrate.cache import cache_dir
 from lowbit.calibrate.corpora import corpus_text, review_sentences
 
-from .config import LMEvalConfig, MissingPackageError
+from .config import LMEvalConfig, lm_eval_missing
 
 TASKS_VERSION = 2  # bump when a local task's data or prompt changes
 MAX_CLOZE_DOCS = 2000
@@ -108,8 +108,7 @@ def run_lm_eval(model, tokenizer, cfg: LMEvalConfig) -> dict:
         from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
     except ImportError as err:
-        raise MissingPackageError(f"evaluate.lm_eval.tasks {list(cfg.tasks)} needs lm-eval, which is not installed "
-                          f"({err}): pip install 'lowbit[eval]', or leave the tasks empty") from err
+        raise lm_eval_missing(cfg.tasks, f"not importable: {err}") from err
 
     only_local = all(t in LOCAL_TASKS for t in cfg.tasks)  # indexing lm-eval's own tasks takes ~10 s
     manager = TaskManager(include_path=str(local_task_dir()), include_defaults=not only_local)

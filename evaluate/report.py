@@ -6,6 +6,8 @@ import html
 from pathlib import Path
 from typing import Optional
 
+from lowbit.export.manifest import write_text_atomic
+
 from .plots import budget_plot, layer_error_plot, tradeoff_plot
 from .report_data import rows_for
 
@@ -197,6 +199,6 @@ def write_report(runs: list[dict], html_path: str | Path, labels: Optional[list[
     rows, notes = rows_for(runs, labels)
     sections = build_sections(rows, notes)
     html_path.parent.mkdir(parents=True, exist_ok=True)
-    html_path.write_text(render_html(sections), encoding="utf-8")
-    html_path.with_suffix(".md").write_text(render_markdown(sections), encoding="utf-8")
+    write_text_atomic(html_path, render_html(sections))
+    write_text_atomic(html_path.with_suffix(".md"), render_markdown(sections))
     return html_path

@@ -11,22 +11,24 @@ from typing import Callable
 from torch import nn
 
 from .config import ExportConfig
-from .files import out_of_space_names
+from .files import os_error, out_of_space_names
 from .formats.gguf import GGUF_FILE
 from .formats.hf_folder import CONFIG, INDEX, WEIGHTS
 from .formats.registry import FORMATS
 from .manifest import MANIFEST, write_manifest
+from .output_folder import check_output_dir, check_replaceable
 from .reader import load, read_tensors  # noqa: F401  (re-exported: checkpoint.load)
 
 
 def save(model: nn.Module, tokenizer, out_dir: str | Path, cfg: ExportConfig,
-         extra_files: dict[str, str] | None = None) -> Path:
+         extra_files: dict[str, str] | None = None, overwrite: bool = False) -> Path:
     """Write the checkpoint into a staging folder beside out_dir, then rename it into place.
 
     The manifest is written last into the staging folder, so a folder at out_dir is always
-    whole; a crash leaves at most a hidden `.NAME.partial-*` folder.
+    whole; a crash leaves at most a hidden `.NAME.partial-*` folder. overwrite: replace a folder
+    lowbit wrote there (output_folder.py), never another.
     """
-    return write_staged(out_dir, cfg.overwrite, extra_files,
+    return write_staged(out_dir, overwrite, extra_files,
                         lambda staging: FORMATS[cfg.format].write(model, tokenizer, staging, cfg, extra_files or {}))
 
 
@@ -38,6 +40,7 @@ def write_staged(out_dir: str | Path, overwrite: bool, extra_files: dict[str, st
     for name in extra_files or {}:
         check_plain_name(name, "extra file name")
     check_output_dir(out_dir, overwrite)
+    make_parent(out_dir)
     staging = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
     staging.mkdir(parents=True)
     try:
@@ -51,26 +54,15 @@ def write_staged(out_dir: str | Path, overwrite: bool, extra_files: dict[str, st
     return out_dir
 
 
-def check_output_dir(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"output {out_dir} exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"output folder {out_dir} is not empty; choose another --output or pass --overwrite"
-        )
-    make_parent(out_dir)
-
-
 def make_parent(out_dir: Path) -> None:
     """Create the folder that will hold out_dir, or say clearly why it cannot be."""
     parent = out_dir.parent if out_dir.parent != Path("") else Path(".")
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a file where a folder should be, a read-only or full disk
-        raise type(err)(err.errno, f"cannot create the folder {parent} for output {out_dir} "
-                        f"({err.strerror})") from None
+        raise os_error(err, f"cannot create the folder {parent} for output {out_dir} ({err.strerror})") from None
     if not os.access(parent, os.W_OK):
-        raise PermissionError(f"cannot write into {parent} (for output {out_dir})")
+        raise PermissionError(f"cannot create files in {parent} for output {out_dir} (permission denied)")
 
 
 def check_plain_name(name: str, what: str) -> None:
@@ -88,10 +80,14 @@ def check_plain_name(name: str, what: str) -> None:
 
 
 def publish(staging: Path, out_dir: Path) -> None:
-    """Rename a finished folder to out_dir; a folder already there is replaced (moved aside first)."""
+    """Rename a finished folder to out_dir; a folder lowbit wrote there is replaced (moved aside
+    first), checked again here: files may have appeared in it since the command began."""
+    if out_dir.is_dir() and not out_dir.is_symlink() and not any(out_dir.iterdir()):
+        out_dir.rmdir()  # an empty folder made for the output
     if not out_dir.exists():
         staging.rename(out_dir)
         return
+    check_replaceable(out_dir)
     old = out_dir.with_name(f".{out_dir.name}.old-{int(time.time())}")  # --overwrite: move it aside
     out_dir.rename(old)
     try:

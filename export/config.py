@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
+from lowbit.calibrate.messages import short_repr
 from lowbit.quantize.grids.gguf import LAYOUTS
 
 from .formats.registry import FORMATS
@@ -19,7 +20,6 @@ GGUF_TYPES = get_args(GGUFType)
 class ExportConfig:
     # a name in export/formats/registry.py's FORMATS; each format's summary says what it holds
     format: Format = "compressed-tensors"
-    overwrite: bool = False  # replace a non-empty output folder
     # dtype of the float tensors and scales in the file; the runtimes compute in it too
     dtype: Dtype = "bfloat16"
     # gguf only: the GGML type float linears are rounded to (llama.cpp's reference RTN; rows its
@@ -30,10 +30,10 @@ class ExportConfig:
 
     def __post_init__(self):
         if self.format not in FORMATS:
-            raise ValueError(f"unknown export format {self.format!r}; valid: {', '.join(FORMATS)}")
+            raise ValueError(f"unknown export format {short_repr(self.format)}; valid: {', '.join(FORMATS)}")
         for key in ("type", "embedding_type"):
             value = getattr(self, key)
             if value is not None and value not in GGUF_TYPES:
-                raise ValueError(f"export.{key} {value!r} is not a GGUF type; valid: {', '.join(GGUF_TYPES)}")
+                raise ValueError(f"export.{key} {short_repr(value)} is not a GGUF type; valid: {', '.join(GGUF_TYPES)}")
             if value is not None and self.format != "gguf":
-                raise ValueError(f"export.{key} applies to format gguf only (format is {self.format!r})")
+                raise ValueError(f"export.{key} applies to format gguf only (format is {short_repr(self.format)})")

@@ -52,6 +52,13 @@ def out_of_space_names(target: Path, what: str = "cannot write"):
         raise short from err
 
 
+def os_error(err: OSError, message: str) -> OSError:
+    """An OSError of err's kind and errno whose text is `message` alone (no "[Errno N]" prefix)."""
+    new = type(err)(message)
+    new.errno = err.errno  # (a strerror set too would make str() print "[Errno N] strerror" instead)
+    return new
+
+
 def current_umask() -> int:
     mask = os.umask(0o022)  # reading it means setting it: put it straight back
     os.umask(mask)

@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from .files import out_of_space_names
+
 MANIFEST = "manifest.json"
 
 
@@ -43,10 +45,15 @@ def verify_manifest(folder: Path) -> list[str]:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a hidden temporary file beside `path`, fsync, then rename over it."""
+    """Write to a hidden temporary file beside `path`, fsync, then rename over it; a failed write
+    leaves no temporary file, and a full disk or a file-size limit is reported naming `path`."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with out_of_space_names(path), open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)

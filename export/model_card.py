@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .formats.hf_folder import code_card_rows
 from .formats.registry import format_of
 from .manifest import MANIFEST, write_manifest, write_text_atomic
 
@@ -35,6 +36,7 @@ def render_card(results: dict, config: dict, name: str) -> str:
              f"| Scheme | {_scheme(recipe)} |",
              f"| Not quantized | {', '.join(recipe.get('ignore', [])) or 'nothing'} |",
              f"| Format | {fmt.describe(config) if fmt else _unregistered(config)} |",
+             *code_card_rows(config, bool(recipe.get("trust_remote_code"))),
              f"| Calibration data | {_calibration(results)} |",
              *_quality_rows(results.get("quality", {})),
              *_memory_rows(results.get("memory", {})),

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from lowbit.calibrate.checks import check_tensors_match
+from lowbit.calibrate.model_config import check_model_source
 from lowbit.quantize.runtime.modules import is_quantized_linear
 
 from . import kv_scales
@@ -26,6 +28,7 @@ def load(folder: str | Path, dtype: torch.dtype = torch.float32, trust_remote_co
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is not a checkpoint folder (no config.json)")
+    check_model_source(str(folder), trust_remote_code)  # its own code allowed and present, before any runs
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     config_dict = config.to_dict()
     if hasattr(config, "quantization_config"):
@@ -58,17 +61,19 @@ def _install_quantized(model, tensors, config: dict, where: str) -> None:
 
 
 def _load_float(model, tensors, folder) -> None:
-    result = model.load_state_dict(tensors, strict=False, assign=True)
+    """The float tensors into `model`; one line names any missing, unexpected or of another shape
+    (none is left as the random values from_config gave it)."""
+    expected = model.state_dict()
+    mismatched = [(k, tuple(t.shape), tuple(expected[k].shape)) for k, t in tensors.items()
+                  if k in expected and t.shape != expected[k].shape]
+    wrong = {k for k, _, _ in mismatched}
+    result = model.load_state_dict({k: t for k, t in tensors.items() if k not in wrong}, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False) and not is_quantized_linear(model.get_output_embeddings()):
         model.tie_weights()
     quantized = {n for n, m in model.named_modules() if is_quantized_linear(m)}
     missing = [k for k in result.missing_keys
-               if k.rpartition(".")[0] not in quantized and not _tied(model, k)]
-    if missing or result.unexpected_keys:
-        raise ValueError(
-            f"{folder}: tensors do not match the model in config.json; "
-            f"missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
-        )
+               if k not in wrong and k.rpartition(".")[0] not in quantized and not _tied(model, k)]
+    check_tensors_match(folder, missing, result.unexpected_keys, mismatched)
 
 
 def _tied(model, key: str) -> bool:

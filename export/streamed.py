@@ -33,7 +33,7 @@ PortionCheck = Callable[[nn.Module, list[int]], None]
 
 def save_streamed(model: nn.Module, tokenizer, out_dir: str | Path, cfg: ExportConfig, arch: Arch,
                   source: LayerSource, extra_files: Optional[dict[str, str]] = None,
-                  check: Optional[PortionCheck] = None) -> Path:
+                  check: Optional[PortionCheck] = None, overwrite: bool = False) -> Path:
     """Write the checkpoint of a streamed model into out_dir, atomically (as checkpoint.save)."""
     out_dir = Path(out_dir)
 
@@ -43,7 +43,7 @@ def save_streamed(model: nn.Module, tokenizer, out_dir: str | Path, cfg: ExportC
             metadata = _write_rest(model, tokenizer, staging, cfg, extra_files or {})
             join_safetensors(parts, staging / WEIGHTS, metadata)
 
-    return write_staged(out_dir, cfg.overwrite, extra_files, write)
+    return write_staged(out_dir, overwrite, extra_files, write)
 
 
 def _write_parts(model, cfg: ExportConfig, arch: Arch, source: LayerSource, tmp: Path,

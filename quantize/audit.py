@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lowbit.calibrate.arch import Arch, arch_for, is_linear, target_linears
+from lowbit.quantize.audit_matrices import MatrixCount, count_matrices
 from lowbit.quantize.grids.gguf import GGUFScheme
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.kv import KVCacheConfig
@@ -45,6 +46,8 @@ class AuditReport:
     problems: list[str] = field(default_factory=list)  # "<module>: <what is wrong>"
     damping: list[str] = field(default_factory=list)  # layers whose Hessian needed extra damping
     kv: Optional[str] = None  # the KV-cache scheme checked, if any
+    matrices: MatrixCount = field(default_factory=MatrixCount)  # decoder-layer matrix parameters
+    integrity: Optional[str] = None  # a written checkpoint's files against manifest.json
 
     @property
     def passed(self) -> bool:
@@ -54,18 +57,24 @@ class AuditReport:
         return dict(sorted(Counter(self.checked.values()).items()))
 
     def to_dict(self) -> dict:
-        return {"passed": self.passed, "checked": len(self.checked), "schemes": self.counts(),
-                "ignored": dict(self.ignored), "kv_cache": self.kv, "problems": list(self.problems),
-                "damping": list(self.damping)}
+        share = self.matrices.share
+        out = {"passed": self.passed, "checked": len(self.checked), "schemes": self.counts(),
+               "ignored": dict(self.ignored), "kv_cache": self.kv, "problems": list(self.problems),
+               "damping": list(self.damping), "quantized_share": None if share is None else round(share, 6),
+               "decoder_matrix_params": {"quantized": self.matrices.quantized, "float": self.matrices.float}}
+        return out if self.integrity is None else {**out, "integrity": self.integrity}
 
     def headline(self) -> str:
         kv = f", KV cache {self.kv}" if self.kv else ""
         verdict = "passed" if self.passed else f"FAILED ({len(self.problems)} problems)"
-        return f"{verdict}: {len(self.checked)} linears checked, {len(self.ignored)} left float{kv}"
+        share = self.matrices.share
+        quantized = "" if share is None else f", {100 * share:.1f}% of decoder-layer matrix parameters quantized"
+        return f"{verdict}: {len(self.checked)} linears checked{quantized}, {len(self.ignored)} left float{kv}"
 
     def lines(self) -> list[str]:
-        """A readable summary: one line per scheme, float linear, damping note and problem."""
-        out = [f"{n:4d}  {scheme}" for scheme, n in self.counts().items()]
+        """A readable summary: integrity, one line per scheme, float linear, damping note and problem."""
+        out = [f"integrity {self.integrity}"] if self.integrity else []
+        out += [f"{n:4d}  {scheme}" for scheme, n in self.counts().items()]
         out += [f"float     {name}: {why}" for name, why in self.ignored.items()]
         out += [f"damping   {note}" for note in self.damping]
         out += [f"PROBLEM   {p}" for p in self.problems]
@@ -82,13 +91,17 @@ class AuditReport:
 
 def audit_model(model: nn.Module, expected: dict[str, LinearScheme], ignored: dict[str, str],
                 kv: Optional[KVCacheConfig] = None, arch: Optional[Arch] = None,
-                storage_dtype: Optional[torch.dtype] = None, damping: tuple[str, ...] = ()) -> AuditReport:
+                storage_dtype: Optional[torch.dtype] = None, damping: tuple[str, ...] = (),
+                ignore: tuple[str, ...] = ()) -> AuditReport:
     """Check `model` against `expected` (name -> scheme) and `kv`.
 
-    ignored: linears meant to stay float, with the reason. Any other float linear is added to
-    the report's ignored list as not targeted; a quantized one nobody asked for is a problem.
+    ignored: linears meant to stay float, with the reason; ignore: the recipe's (or config's)
+    patterns of modules and tensors meant to. Any other float matrix inside a decoder layer is a
+    problem (audit_matrices.py); a float linear outside them is added to the report's ignored list
+    as not targeted; a quantized one nobody asked for is a problem.
     storage_dtype: the dtype scales are written in; a scale that becomes 0 or inf there fails.
     """
+    arch = arch or arch_for(model)
     report = AuditReport(ignored=dict(ignored), damping=list(damping))
     for name, scheme in expected.items():
         report.checked[name] = scheme.describe()
@@ -104,8 +117,11 @@ def audit_model(model: nn.Module, expected: dict[str, LinearScheme], ignored: di
         if is_quantized_linear(module):
             why = f"(listed as ignored: {ignored[name]})" if name in ignored else "but no step targets it"
             report.problems.append(f"{name}: quantized ({describe_module(module)}) {why}")
-        elif name not in report.ignored:
+        elif name not in report.ignored and not name.startswith(arch.layers + "."):  # inside: counted below
             report.ignored[name] = "not targeted: not one of the architecture table's decoder-layer linears"
+    report.matrices, float_matrices = count_matrices(model, arch, ignored, ignore, checked=expected)
+    report.ignored.update(report.matrices.kept)
+    report.problems += float_matrices
     if kv is not None or getattr(model, "lowbit_kv_cache", None) is not None:
         report.kv, kv_problems = check_kv(model, kv, arch)
         report.problems += kv_problems

@@ -15,8 +15,9 @@ import torch
 import yaml
 from torch import nn
 
-from lowbit.calibrate.arch import Arch, arch_for, is_linear
+from lowbit.calibrate.arch import Arch, arch_for, is_linear, matches_name
 from lowbit.export import checkpoint, kv_scales
+from lowbit.export.manifest import MANIFEST
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.steps.registry import STEPS
 from lowbit.quantize.audit import AuditReport, audit_model, damping_notes, planned_targets
@@ -28,9 +29,10 @@ from lowbit.quantize.grids.gguf_plan import GGUFTypes, sixteen_bit_reason
 from lowbit.quantize.grids.int_plan import PLANNED_SIXTEEN_BIT, IntTypes
 from lowbit.quantize.targets import gguf_types
 
+from .checkpoint_files import RECIPE_FILE, config_disagreements, file_integrity, read_config
 from .schema import Recipe, parse_recipe
 
-RECIPE_FILE, RESULTS_FILE = "recipe.yaml", "results.json"
+RESULTS_FILE = "results.json"
 
 
 def expected_schemes(recipe: Recipe, model: nn.Module, arch: Arch):
@@ -90,19 +92,55 @@ def audit_run(model: nn.Module, recipe: Recipe, arch: Arch, steps: list[dict]) -
     """Audit the model a run has just quantized; scales are judged in the export dtype."""
     expected, ignored, kv = expected_schemes(recipe, model, arch)
     return audit_model(model, expected, ignored, kv, arch, storage_dtype=getattr(torch, recipe.export.dtype),
-                       damping=tuple(damping_notes(steps)))
+                       damping=tuple(damping_notes(steps)), ignore=recipe.ignore)
 
 
-def audit_checkpoint(folder: str | Path) -> AuditReport:
-    """Load a checkpoint and audit it against its recipe.yaml, else against its config.json.
+def audit_checkpoint(folder: str | Path, trust_remote_code: bool = False) -> AuditReport:
+    """Audit a written checkpoint: its files against manifest.json, config.json's quantization
+    settings against its tensors, then the loaded model against its recipe.yaml, else against its
+    config.json. trust_remote_code: run the model's own code (auto_map) to load it.
 
     Raises FileNotFoundError / ValueError when the folder is not a readable checkpoint."""
     folder = Path(folder)
     if not checkpoint.is_checkpoint(folder):
         raise FileNotFoundError(f"{folder}: not a checkpoint folder (needs config.json and model.safetensors, "
                                 "model.safetensors.index.json or model.gguf)")
-    model = _load(folder)
-    arch = arch_for(model)
+    config = read_config(folder)
+    integrity, problems = file_integrity(folder)
+    disagreements = config_disagreements(folder, config)
+    if disagreements:  # the reader would build these modules wrong, or not at all: nothing more to check
+        return AuditReport(problems=problems + disagreements, integrity=integrity)
+    try:
+        model = _load(folder, trust_remote_code)
+    except ValueError as err:
+        if not problems:
+            raise
+        return AuditReport(problems=problems + [str(err)], integrity=integrity)  # the damaged files are why
+    if not config.get("quantization_config") and not any(is_quantized_linear(m) for m in model.modules()):
+        return AuditReport(problems=problems + [f"{folder}: not a quantized checkpoint (no quantized module, "
+                                                "no quantization_config in config.json)"], integrity=integrity)
+    report = _audit_loaded(folder, model, config)
+    report.problems[:0], report.integrity = problems, integrity
+    return report
+
+
+def audit_before_eval(folder: str | Path, trust_remote_code: bool = False) -> Optional[AuditReport]:
+    """`lowbit eval`'s audit of a lowbit checkpoint (recipe.yaml or manifest.json in it; None for
+    any other model): the whole of audit_checkpoint, as loading the model is its cost and the
+    recipe's expectations add nothing to it. An audit that cannot finish is a failed one: the
+    evaluation goes on and says so."""
+    folder = Path(folder)
+    if not checkpoint.is_checkpoint(folder) or not any((folder / f).is_file() for f in (RECIPE_FILE, MANIFEST)):
+        return None
+    try:
+        return audit_checkpoint(folder, trust_remote_code)
+    except (ValueError, OSError) as err:
+        return AuditReport(problems=[f"audit not completed: {err}"])
+
+
+def _audit_loaded(folder: Path, model: nn.Module, config: dict) -> AuditReport:
+    """The loaded model against its recipe.yaml, else against its config.json."""
+    arch = native_arch(model)
     results = folder / RESULTS_FILE
     steps = json.loads(results.read_text(encoding="utf-8")).get("steps", []) if results.is_file() else []
     recipe_file = folder / RECIPE_FILE
@@ -111,44 +149,65 @@ def audit_checkpoint(folder: str | Path) -> AuditReport:
         data = yaml.safe_load(recipe_file.read_text(encoding="utf-8"))
         if not isinstance(data, dict):
             raise ValueError(f"{recipe_file}: not a recipe mapping")
-        expected, ignored, kv = expected_schemes(parse_recipe(data, str(recipe_file)), model, arch)
+        recipe = parse_recipe(data, str(recipe_file))
+        expected, ignored, kv = expected_schemes(recipe, model, arch)
+        ignore = recipe.ignore
     else:
-        config = json.loads((folder / checkpoint.CONFIG).read_text(encoding="utf-8"))
-        expected, ignored, extra = schemes_from_config(model, config.get("quantization_config") or {})
+        qconfig = config.get("quantization_config") or {}
+        ignore = config_ignore_patterns(qconfig)
+        expected, ignored, extra = schemes_from_config(model, qconfig, arch, ignore)
         saved = config.get(kv_scales.KEY)
         kv = KVCacheConfig.from_file(saved) if saved else None
-    report = audit_model(model, expected, ignored, kv, arch, damping=tuple(damping_notes(steps)))
+    report = audit_model(model, expected, ignored, kv, arch, damping=tuple(damping_notes(steps)), ignore=ignore)
     report.problems += extra
     return report
 
 
-def _load(folder: Path) -> nn.Module:
+def native_arch(model: nn.Module) -> Arch:
+    """The layout of `model`'s architecture: the table's row, else the guess made from a float
+    skeleton (on the meta device: no memory), since a guess over the loaded model would not see
+    the linears its quantized modules replaced."""
     try:
-        return checkpoint.load(folder)[0]
+        return arch_for(model, allow_fallback=False)
+    except ValueError:
+        with torch.device("meta"):
+            return arch_for(type(model)(model.config))
+
+
+def _load(folder: Path, trust_remote_code: bool) -> nn.Module:
+    try:
+        return checkpoint.load(folder, trust_remote_code=trust_remote_code)[0]
     except (ValueError, FileNotFoundError):
         raise
     except Exception as err:  # transformers raises OSError, KeyError, ... on a broken folder
         raise ValueError(f"{folder}: cannot load as a checkpoint: {type(err).__name__}: {err}") from err
 
 
-def schemes_from_config(model: nn.Module, qconfig: dict):
+def schemes_from_config(model: nn.Module, qconfig: dict, arch: Arch, ignore: tuple[str, ...]):
     """Without a recipe: each quantized module is expected to be what it is (its scales are still
-    checked); a float linear must be in quantization_config.ignore when a config group targets it.
+    checked); a float linear must be ignored (`ignore`: config_ignore_patterns) when a config group
+    targets it (inside the decoder layers audit_model finds every float matrix nobody ignored).
     Returns (expected, ignored, problems)."""
     expected = {n: m.linear_scheme() for n, m in model.named_modules() if is_quantized_linear(m)}
     ignored, problems = {}, []
-    patterns = qconfig.get("ignore") or []
     targets = [t for g in (qconfig.get("config_groups") or {}).values() for t in g.get("targets") or []]
     for name, module in model.named_modules():
         if not is_linear(module):
             continue
-        if any(_matches(name, module, p) for p in patterns):
+        if matches_name(name, ignore) or type(module).__name__ in ignore:  # compressed-tensors allows class names
             ignored[name] = "in quantization_config.ignore"
-        elif any(_matches(name, module, t) for t in targets):
+        elif any(_matches(name, module, t) for t in targets) and not name.startswith(arch.layers + "."):
             problems.append(f"{name}: float, but quantization_config targets it and does not ignore it")
-        else:
-            ignored[name] = "not targeted by quantization_config"
     return expected, ignored, problems
+
+
+def config_ignore_patterns(qconfig: dict) -> tuple[str, ...]:
+    """quantization_config's ignore list (compressed-tensors: names, or `re:` regexes matched from
+    the start of the name) and GPTQModel's `-:REGEX` exclusions in `dynamic`, as the ignore
+    patterns of calibrate.arch.matches_name (whose regexes match the whole name)."""
+    names = [p for p in qconfig.get("ignore") or [] if isinstance(p, str)]
+    names += ["re:" + k[2:] for k in qconfig.get("dynamic") or {} if isinstance(k, str) and k.startswith("-:")]
+    return tuple(f"re:(?:{p[3:]}).*" if p.startswith("re:") else p for p in names)
 
 
 def _matches(name: str, module: nn.Module, target: str) -> bool:

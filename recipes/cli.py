@@ -18,6 +18,9 @@ from .schema import load_recipe, shipped_recipes
 from .validate import RecipeError
 
 
+MESSAGE_CHARS = 4000  # an error line's length at most (values in it are shortened where they are quoted)
+OVERWRITE_HELP = ("replace an output folder that lowbit wrote (its manifest.json lists every file in it); "
+                  "a folder lowbit did not write is never replaced")
 ALLOW_PICKLE_HELP = ("load pickle-based *.bin weights (through torch.load(weights_only=True)) when a "
                      "model has no safetensors; off by default")
 
@@ -30,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except (RecipeError, OSError, ValueError, MissingPackageError, PeerFailure) as err:  # OSError: missing
         # files, permissions, disk full; PeerFailure: a collective another rank left
-        print(f"lowbit: error: {err}", file=sys.stderr)
+        print(f"lowbit: error: {bounded(str(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line saying what a rerun with --resume can use
         from .resume import kept_summary
@@ -40,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def bounded(message: str, limit: int = MESSAGE_CHARS) -> str:
+    """An error message no longer than `limit` characters, whatever value it quotes."""
+    if len(message) <= limit:
+        return message
+    return f"{message[:limit]}… ({len(message) - limit} more characters)"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lowbit", description="Quantize, export and evaluate causal LMs.")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
@@ -47,7 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("recipe", help="shipped recipe name (see `lowbit recipes`) or a YAML path")
     run.add_argument("--model", help="built-in model name, local folder or hub id (overrides the recipe)")
     run.add_argument("--output", help="checkpoint folder (default runs/<recipe>-<model>)")
-    run.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    run.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    run.add_argument("--dry-run", action="store_true",
+                     help="check the recipe, the --set values, the model reference and the output folder, print the "
+                          "resolved recipe and stop: nothing is loaded or written")
     run.add_argument("--resume", action="store_true",
                      help="continue an interrupted run of this recipe from its last finished layer")
     run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
@@ -64,13 +77,15 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--format", required=True, choices=list(FORMATS),
                         help="; ".join(f.summary for f in FORMATS.values()))
     export.add_argument("--output", required=True, help="folder to write")
-    export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    export.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     export.add_argument("--dtype", choices=DTYPES,
                         help="float tensors and scales (default: the source's)")
     export.add_argument("--type", choices=GGUF_TYPES, help="gguf: round float linears to this GGML type "
                         "(llama.cpp's reference RTN; default: keep them in --dtype)")
     export.add_argument("--embedding-type", choices=GGUF_TYPES,
                         help="gguf: the token embedding's GGML type (default: --dtype)")
+    export.add_argument("--trust-remote-code", action="store_true", help="run (and carry) the checkpoint's own "
+                        "code (the .py files its config.json's auto_map names); review them first")
     export.set_defaults(handler=_cmd_export)
     models = sub.add_parser("models", help="list built-in models")
     models.set_defaults(handler=_cmd_models)
@@ -97,6 +112,8 @@ def _add_eval_commands(sub) -> None:
                          "a time from its safetensors shards (for a baseline larger than memory; speed and "
                          "lm-eval, which need it resident, leave it out)")
     ev.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
+    ev.add_argument("--trust-remote-code", action="store_true",
+                    help="run the model's own code (config.json's auto_map) when loading it; review it first")
     ev.set_defaults(handler=cmd_eval)
     rep = sub.add_parser("report", help="compare runs: write report.html and report.md")
     rep.add_argument("runs", nargs="+", metavar="RUN_DIR")
@@ -106,7 +123,7 @@ def _add_eval_commands(sub) -> None:
     sw.add_argument("recipes", nargs="+", metavar="RECIPE")
     sw.add_argument("--model", required=True)
     sw.add_argument("--output", help="folder for the runs and report.html (default runs/sweep-<model>)")
-    sw.add_argument("--overwrite", action="store_true", help="replace existing run folders")
+    sw.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     sw.add_argument("--resume", action="store_true",
                     help="keep finished runs (folders with results.json) and resume interrupted ones")
     sw.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
@@ -115,6 +132,8 @@ def _add_eval_commands(sub) -> None:
     au = sub.add_parser("audit", help="check a checkpoint's coverage: every targeted linear quantized, scales "
                         "finite and positive, KV scales set (exit 0 clean, 1 failed, 2 bad input)")
     au.add_argument("checkpoint", metavar="CHECKPOINT")
+    au.add_argument("--trust-remote-code", action="store_true",
+                    help="run the model's own code (config.json's auto_map) to load it; review it first")
     au.set_defaults(handler=cmd_audit)
 
 
@@ -141,17 +160,33 @@ def _run(args) -> int:
     overrides = list(args.set)
     if args.model:
         overrides.append(f"model={args.model}")
-    if args.overwrite:
-        overrides.append("export.overwrite=true")
     if args.allow_pickle:
         overrides.append("allow_pickle=true")
     if args.device:
         overrides.append(f"calibration.device={args.device}")
     recipe = load_recipe(args.recipe, tuple(overrides))
     output = args.run_output = Path(args.output or f"runs/{recipe.name}-{Path(recipe.model).name}")
-    results = run(recipe, output, resume=args.resume)
+    if args.dry_run:
+        return _dry_run(recipe, output, args)
+    results = run(recipe, output, resume=args.resume, overwrite=args.overwrite)
     if results:  # {} on ranks other than 0, which write nothing
         _print_summary(results, output)
+    return 0
+
+
+def _dry_run(recipe, output: Path, args) -> int:
+    """What `run` would check before any work, without loading or writing anything; the resolved
+    recipe on stdout."""
+    import yaml
+
+    from lowbit.calibrate.models import check_model_reference
+
+    from .run import check_run_output
+
+    check_model_reference(recipe.model, recipe.allow_pickle)
+    check_run_output(recipe, output, args.overwrite, shown=args.output)
+    print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="")
+    print(f"[lowbit] dry run: the recipe is valid; `lowbit run` would write {output}", file=sys.stderr)
     return 0
 
 
@@ -159,7 +194,7 @@ def _cmd_export(args) -> int:
     from lowbit.export.convert import convert
 
     out = convert(args.checkpoint, args.output, args.format, args.overwrite, args.dtype,
-                  gguf_type=args.type, embedding_type=args.embedding_type)
+                  gguf_type=args.type, embedding_type=args.embedding_type, trust_remote_code=args.trust_remote_code)
     print(f"wrote {args.format} checkpoint {out}")
     return 0
 
@@ -177,7 +212,9 @@ def _print_summary(r: dict, output: Path) -> None:
     print(f"weights     {m['weight_bytes'] / 2**20:.1f} MiB (16-bit baseline {m['baseline_weight_bytes'] / 2**20:.1f} MiB)")
     print("time        " + "  ".join(f"{k[:-2]} {v:.1f}s" for k, v in t.items()))
     if "audit" in r:  # a failed audit stops the run before export, so this one passed
-        print(f"audit       passed: {r['audit']['checked']} linears checked, {len(r['audit']['ignored'])} left float")
+        a, share = r["audit"], r["audit"].get("quantized_share")
+        quantized = "" if share is None else f", {100 * share:.1f}% of decoder-layer matrix parameters quantized"
+        print(f"audit       passed: {a['checked']} linears checked{quantized}, {len(a['ignored'])} left float")
     print(f"checkpoint  {output}  (results.json beside it)")
 
 

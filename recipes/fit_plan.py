@@ -13,28 +13,28 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import torch
-from transformers.cache_utils import get_layer_types_and_kwargs
 
 from lowbit.calibrate.arch import arch_for, linear_weight, target_linears
 from lowbit.calibrate.cache import cache_dir
 from lowbit.calibrate.data import CalibrationConfig, calibration_batches
+from lowbit.calibrate.messages import short_repr
 from lowbit.evaluate import sensitivity
 from lowbit.evaluate.allocation import Plan, allocate, smallest_bytes
-from lowbit.evaluate.memory import ModelShape, kv_cache_bytes, prefill_workspace_bytes
+from lowbit.evaluate.memory import ModelShape
 from lowbit.export.manifest import write_text_atomic
 from lowbit.quantize.grids.gguf import LAYOUTS
 from lowbit.quantize.grids.gguf_plan import F16, GGUFTypes, embedding_type, output_type
 from lowbit.quantize.grids.int_plan import int_format
 
+from .fit_checks import check_bits_budget, check_memory_budget, kv_entry, kv_kinds, parse_size
+
 BASE_FILE_TYPE = "q4_k_m"  # the GGUF file type whose rules give the embedding and output their types
-SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B)\s*$", re.IGNORECASE)
-SIZE_UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 CACHE_VERSION = "kl-v2"  # bump when the measurement changes
 WEIGHT_CANDIDATES = {"compressed-tensors": sensitivity.INT_CANDIDATES, "gguf": sensitivity.CANDIDATES}
 
@@ -64,10 +64,10 @@ class FitConfig:
     def __post_init__(self):
         if (self.bits_per_weight is None) == (self.memory is None):
             raise ValueError("give one budget: bits_per_weight, or memory (with context and batch)")
-        if self.bits_per_weight is not None and self.bits_per_weight <= 0:
-            raise ValueError(f"bits_per_weight must be positive, got {self.bits_per_weight}")
-        if self.memory is not None:
-            parse_size(self.memory)
+        if self.bits_per_weight is not None and not (math.isfinite(self.bits_per_weight) and self.bits_per_weight > 0):
+            raise ValueError(f"bits_per_weight must be a positive number, got {self.bits_per_weight}")
+        if self.memory is not None and parse_size(self.memory) <= 0:
+            raise ValueError(f"memory must be positive, got {short_repr(self.memory)}")
         parse_size(self.overhead)
         if min(self.context, self.batch, self.prefill_chunk or 1, self.samples, self.seq_len) < 1:
             raise ValueError("context, batch, prefill_chunk, samples and seq_len must be positive")
@@ -98,7 +98,8 @@ class FitConfig:
 def _check_weight_format(kind: str, fmt: str) -> None:
     if fmt == "gguf":
         if kind not in LAYOUTS and kind != F16:
-            raise ValueError(f"types: {kind!r} is not a GGML type; valid: {', '.join(sorted(LAYOUTS))}, {F16}")
+            raise ValueError(f"types: {short_repr(kind)} is not a GGML type; "
+                             f"valid: {', '.join(sorted(LAYOUTS))}, {F16}")
         return
     int_format(kind)  # raises naming the valid forms
 
@@ -130,13 +131,21 @@ class FitResult:
 
 
 def fit(model, tokenizer, name: str, cfg: FitConfig) -> FitResult:
-    """Measure (or read from the cache) and solve: the plan of least summed loss in the budget."""
+    """Check the budget can be met, then measure (or read from the cache) and solve: the plan of
+    least summed loss in the budget."""
     arch = arch_for(model)
     options = sensitivity.linear_options(model, arch, cfg.weight_candidates)
-    measured, cached = _sensitivities(model, arch, tokenizer, name, cfg, options)
+    params = sum(linear_weight(m).numel() for m in target_linears(model, arch).values())
+    if not params:
+        raise ValueError(f"{name}: no decoder-layer linears to plan formats for")
+    kinds = kv_kinds(model, cfg)
+    if cfg.bits_per_weight is not None:
+        check_bits_budget(cfg.bits_per_weight, options, params)
+    else:  # nothing is measured for a budget that cannot hold the cheapest plan
+        check_memory_budget(model, cfg, options, params, kinds, _memory_split(model, cfg, min(_chunks(cfg))))
+    measured, cached = _sensitivities(model, arch, tokenizer, name, cfg, options, kinds)
     choices = {n: [sensitivity.Option(k, b, measured["linears"][n][k]) for k, b in by_kind.items()]
                for n, by_kind in options.items()}
-    params = sum(linear_weight(m).numel() for m in target_linears(model, arch).values())
     if cfg.bits_per_weight is not None:
         plan = allocate(choices, int(cfg.bits_per_weight * params / 8))
         return FitResult(plan, F16, 0.0, params, cached=cached)
@@ -146,21 +155,27 @@ def fit(model, tokenizer, name: str, cfg: FitConfig) -> FitResult:
 AUTO_CHUNKS = (512, 256, 128)
 
 
+def _chunks(cfg: FitConfig) -> tuple[int, ...]:
+    return (cfg.prefill_chunk,) if cfg.prefill_chunk else AUTO_CHUNKS
+
+
+def _memory_split(model, cfg: FitConfig, chunk: int) -> dict:
+    """A memory budget's parts that do not depend on the KV format or the linears' plan."""
+    return {"memory": parse_size(cfg.memory), "context": cfg.context, "batch": cfg.batch, "prefill_chunk": chunk,
+            "overhead": parse_size(cfg.overhead), "other_weights": _other_weight_bytes(model, cfg.format)}
+
+
 def _fit_memory(model, cfg: FitConfig, choices, kv_losses: dict, params: int, cached: bool) -> FitResult:
     """The least-loss pair (linears' plan, KV format) at the largest prefill chunk where one fits."""
     shape = ModelShape.from_config(model.config)
     floor = smallest_bytes(choices)
-    for chunk in (cfg.prefill_chunk,) if cfg.prefill_chunk else AUTO_CHUNKS:
-        split = {"memory": parse_size(cfg.memory), "context": cfg.context, "batch": cfg.batch, "prefill_chunk": chunk,
-                 "overhead": parse_size(cfg.overhead), "other_weights": _other_weight_bytes(model, cfg.format)}
+    for chunk in _chunks(cfg):
+        split = _memory_split(model, cfg, chunk)
         best, tried = None, []
         for kind, per_element in kv_losses["bytes_per_element"].items():
-            kv = kv_cache_bytes(shape, cfg.context, cfg.batch, per_element)
-            # a quantized cache hands its history back dequantized: more workspace than a 16-bit one
-            work = prefill_workspace_bytes(shape, cfg.batch, cfg.context, chunk, 4, quantized_kv=kind != F16)
-            left = split["memory"] - work - split["overhead"] - split["other_weights"] - kv
-            entry = {"kv_format": kind, "kv_cache_bytes": kv, "workspace": work, "linears_budget": left}
+            entry = kv_entry(shape, cfg, split, kind, per_element)
             tried.append(entry)
+            kv, work, left = entry["kv_cache_bytes"], entry["workspace"], entry["linears_budget"]
             if left < floor:
                 continue
             plan = allocate(choices, left)
@@ -171,35 +186,16 @@ def _fit_memory(model, cfg: FitConfig, choices, kv_losses: dict, params: int, ca
             _, plan, kind, kv, work = best
             return FitResult(plan, kind, kv_losses["loss"][kind], params,
                              {**split, "kv_cache": kv, "workspace": work}, cached, tried)
-    smallest_kv = min(tried, key=lambda e: e["kv_cache_bytes"])
-    raise ValueError(
-        f"memory {cfg.memory}: nothing fits. The workspace ({smallest_kv['workspace'] / 2**20:.1f} MiB in prefill chunks of "
-        f"{split['prefill_chunk']}), the runtime's overhead ({split['overhead'] / 2**20:.1f} MiB), the weights "
-        f"outside the linears ({split['other_weights'] / 2**20:.1f} MiB) and the smallest KV cache "
-        f"({smallest_kv['kv_format']}, {smallest_kv['kv_cache_bytes'] / 2**20:.1f} MiB at {cfg.batch} x "
-        f"{cfg.context} tokens) leave {smallest_kv['linears_budget'] / 2**20:.1f} MiB, below the linears' "
-        f"smallest plan ({floor / 2**20:.1f} MiB); lower context or batch, or add smaller candidates")
+    # check_memory_budget refused a budget where this happens, before measuring
+    raise ValueError(f"memory {cfg.memory}: nothing fits beside the smallest KV cache and workspace")
 
 
-def kv_kinds(model, cfg: FitConfig) -> list[str]:
-    """The KV formats to weigh: the quantized cache stores full-attention layers only, so a model
-    with sliding-window (or other) layers keeps a 16-bit cache unless kv_formats asked otherwise
-    (then the measurement says why it cannot)."""
-    kinds = sorted(cfg.kv_candidates)
-    layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
-    if not cfg.kv_formats and set(layer_types) - {"full_attention"} and kinds != [F16]:
-        print(f"[lowbit] fit: {model.config.model_type} has {sorted(set(layer_types) - {'full_attention'})} layers, "
-              "which the quantized KV cache does not store: the KV cache stays 16-bit", file=sys.stderr)
-        return [F16]
-    return kinds
-
-
-def _sensitivities(model, arch, tokenizer, name: str, cfg: FitConfig, options) -> tuple[dict, bool]:
+def _sensitivities(model, arch, tokenizer, name: str, cfg: FitConfig, options,
+                   kv_candidates: list[str]) -> tuple[dict, bool]:
     """{"linears": {linear: {format: KL}}, "kv": {"loss": {format: KL}, "bytes_per_element": ..}},
     each part from the cache or measured and cached (the linears' and the KV formats' apart, so
     that a memory budget after a bits-per-weight one measures only the KV formats); and whether
     nothing had to be measured."""
-    kv_candidates = kv_kinds(model, cfg)
     batches = None
     measured, cached = {}, True
     for part, key_of in (("linears", options), ("kv", kv_candidates)):
@@ -229,13 +225,6 @@ def _cache_key(model, name: str, calibration, part: str, candidates) -> str:
         for pname, p in model.named_parameters():
             digest.update(f"{pname} {float(p.double().sum())} {float(p.double().abs().sum())}".encode())
     return digest.hexdigest()[:24]
-
-
-def parse_size(text: str) -> int:
-    match = SIZE.match(text)
-    if not match:
-        raise ValueError(f"memory {text!r}: give a size such as 8GB, 256MB or 7.5GiB")
-    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
 
 
 def _other_weight_bytes(model, fmt: str) -> int:

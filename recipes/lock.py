@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lowbit.export.checkpoint import make_parent
+from lowbit.export.files import os_error
 
 
 class OutputInUseError(OSError):
@@ -36,7 +37,10 @@ def output_lock(output: Path):
 
 def _acquire(path: Path, output: Path) -> int:
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as err:  # the folder refuses new files (/proc, a read-only mount): say so for the output
+            raise os_error(err, f"cannot create files in {path.parent} for output {output} ({err.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -8,6 +8,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import torch
 import yaml
@@ -17,8 +18,9 @@ from lowbit.calibrate.data import calibration_batches
 from lowbit.calibrate.distributed import SHARE_UNIT, broadcast_json, sample_share, world
 from lowbit.calibrate.hardware import cpu_info, resolve_device
 from lowbit.calibrate.offload import resolve_offload
-from lowbit.calibrate.models import load_model
+from lowbit.calibrate.models import load_model, local_model_folder
 from lowbit.evaluate.baseline import cached_baseline
+from lowbit.evaluate.config import require_evaluation_packages
 from lowbit.evaluate.evaluation import evaluate
 from lowbit.evaluate.memory import model_weight_bytes
 from lowbit.evaluate.perplexity import perplexity
@@ -27,6 +29,8 @@ from lowbit.evaluate.results import ModelInfo, Results
 from lowbit.evaluate.suite import Reference
 from lowbit.export import checkpoint
 from lowbit.export.files import out_of_space_names
+from lowbit.export.formats.hf_folder import model_code
+from lowbit.export.output_folder import check_apart, check_output_dir, check_output_name
 from lowbit.export.streamed import save_streamed
 from lowbit.export.manifest import write_text_atomic
 from lowbit.export.model_card import write_model_card
@@ -58,10 +62,12 @@ def timer(seconds: dict):
     return timed
 
 
-def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
+def run(recipe: Recipe, output: str | Path, resume: bool = False, overwrite: bool = False) -> dict:
     """recipe -> load and calibrate -> quantize -> audit -> export -> evaluate -> report; returns
     results.json's content. With resume, continue an interrupted run of the same recipe where it
-    stopped: from its last finished layer, or, when it had exported, with the evaluation alone."""
+    stopped: from its last finished layer, or, when it had exported, with the evaluation alone.
+    overwrite: replace a folder lowbit wrote at `output` (never another: export/output_folder.py)."""
+    check_run_output(recipe, output, overwrite)  # before any work, and before the lock is made beside it
     recipe = resolve_fit(recipe)  # a budget becomes its plan (on every rank, before anything else)
     if not world().main:  # under torchrun: the other ranks calibrate with rank 0, which alone writes
         from .ranks import calibrate_only
@@ -69,7 +75,7 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
         return calibrate_only(recipe)
     output = Path(output)
     with output_lock(output), out_of_space_names(output, "cannot write the run for output"):
-        checkpoint.check_output_dir(output, recipe.export.overwrite)  # fail before hours of work
+        check_output_dir(output, overwrite)  # again, holding the lock: a run may have published since
         with RunProgress.open(output, recipe.to_dict(), resume) as progress:
             print(f"[lowbit] CPU: {cpu_info().describe()}", file=sys.stderr)  # what CPU choices were made for
             exported = progress.exported()
@@ -83,6 +89,17 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False) -> dict:
             write_results(progress.checkpoint, results, recipe, output.name)
             progress.publish(output)  # the folder appears whole, results included, or not at all
     return results
+
+
+def check_run_output(recipe: Recipe, output: str | Path, overwrite: bool, shown: Optional[str] = None) -> None:
+    """Refuse, before any work, an output lowbit may not write: a folder it did not write, or one
+    that is, lies inside or contains the model's folder."""
+    check_output_name(Path(output), "--output", shown or str(output))
+    folder = local_model_folder(recipe.model)
+    if folder is not None:
+        check_apart(Path(output), [("model folder", folder)], shown=shown)
+    check_output_dir(Path(output), overwrite, shown=shown)
+    require_evaluation_packages(recipe.evaluate)
 
 
 def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
@@ -109,7 +126,8 @@ def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
     audit = audit_run(model, recipe, arch, steps)  # before export: a failed audit publishes nothing
     audit.raise_if_failed()
     with timed("export_s"):
-        checkpoint.save(model, tokenizer, progress.new_checkpoint(), export_config(recipe, model))
+        checkpoint.save(model, tokenizer, progress.new_checkpoint(), export_config(recipe, model),
+                        extra_files=model_code(recipe.model, recipe.trust_remote_code))
     exported = {"model": info, "baseline_bytes": baseline_bytes, "steps": steps, "audit": audit.to_dict(),
                 "seconds": seconds}
     progress.record_export(exported)
@@ -141,10 +159,11 @@ def quantize_and_export_streamed(recipe: Recipe, progress: RunProgress, folder: 
     ctx = step_context(recipe, model, arch, tokenizer, timed, progress)
     steps, layers = apply_steps_streamed(recipe, ctx, weights, progress, timed)
     seconds["quantize_s"] = seconds.get("quantize_s", 0.0) - seconds.get("calibrate_s", 0.0)
-    audit = PortionAudit(expected, ignored, kv, arch, getattr(torch, recipe.export.dtype), tuple(damping_notes(steps)))
+    audit = PortionAudit(expected, ignored, kv, arch, getattr(torch, recipe.export.dtype), tuple(damping_notes(steps)),
+                         recipe.ignore)
     with timed("export_s"):
         save_streamed(model, tokenizer, progress.new_checkpoint(), export_config(recipe, model), arch, layers,
-                      check=audit)
+                      extra_files=model_code(recipe.model, recipe.trust_remote_code), check=audit)
     exported = {"model": info, "baseline_bytes": 2 * weights.numel(), "steps": steps,
                 "audit": audit.report.to_dict(), "seconds": seconds, "streamed_from": folder}
     progress.record_export(exported)

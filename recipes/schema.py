@@ -10,12 +10,14 @@ from typing import Any, Optional
 import yaml
 
 from lowbit.calibrate.data import CalibrationConfig
+from lowbit.calibrate.messages import short_repr
 from lowbit.evaluate.config import EvaluateConfig
 from lowbit.export.checkpoint import check_plain_name
 from lowbit.export.config import ExportConfig
 
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.steps.registry import STEPS
+from . import safe_yaml
 from .fit_plan import FitConfig
 from .validate import RecipeError, build, to_plain
 
@@ -86,19 +88,43 @@ def load_recipe(name_or_path: str, overrides: tuple[str, ...] = ()) -> Recipe:
     data.setdefault("name", path.stem)
     for item in overrides:
         apply_override(data, item, source)
-    return parse_recipe(data, source)
+    return restated(parse_recipe(data, source), overrides)
+
+
+WEIGHT_KEYS = ("scheme", "steps", "ignore", "fit")  # --set paths under these change what is quantized
+
+
+def restated(recipe: Recipe, overrides: tuple[str, ...]) -> Recipe:
+    """The recipe with a description that says what it quantizes to once --set changed that (the
+    file's words describe the file: `--set scheme.bits=5` on an INT4 recipe makes INT5)."""
+    changed = [item for item in overrides if item.partition("=")[0].split(".")[0] in WEIGHT_KEYS]
+    if not changed or any(item.startswith("description=") for item in overrides):
+        return recipe
+    steps = [f"{s.name} {STEPS[s.name].writes(s.config).describe()}" for s in recipe.steps
+             if STEPS[s.name].writes(s.config) is not None]
+    what = "; ".join(steps) or "no weight step"
+    return dataclasses.replace(recipe, description=f"{what} (recipe {recipe.name} changed by --set "
+                                                   f"{', '.join(_cut(item) for item in changed)})")
+
+
+def _cut(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def parse_yaml(text: str, source: str, key: str):
     try:
-        return yaml.safe_load(text)  # safe_load: a !!python tag is an error, never code
+        return safe_yaml.load(text)  # safe: a !!python tag is an error, never code; aliases bounded
     except yaml.YAMLError as err:
-        raise RecipeError(source, key, f"not valid YAML: {err}") from None
+        raise RecipeError(source, key, f"not valid YAML: {safe_yaml.one_line(err)}") from None
+    except safe_yaml.DocumentTooLarge as err:
+        raise RecipeError(source, key, f"refused before loading: {err}") from None
     except RecursionError:
-        raise RecipeError(source, key, "not valid YAML: nested too deeply") from None
+        raise RecipeError(source, key, f"not valid YAML: nested too deeply (at most {safe_yaml.MAX_DEPTH} "
+                          "levels)") from None
 
 
 def parse_recipe(data: dict, source: str) -> Recipe:
+    _drop_overwrite(data, source)
     steps_data = data.get("steps", [])
     body = {k: v for k, v in data.items() if k != "steps"}
     recipe = build(Recipe, body, source)
@@ -108,6 +134,19 @@ def parse_recipe(data: dict, source: str) -> Recipe:
     steps = tuple(parse_step(item, source, f"steps[{i}]", recipe.scheme) for i, item in enumerate(steps_data))
     check_search_grids(steps, source)
     return Recipe(**{**recipe.__dict__, "steps": steps})
+
+
+def _drop_overwrite(data: dict, source: str) -> None:
+    """Replacing an output is the command line's decision (--overwrite), never a recipe's: a recipe
+    asking for it is refused; `overwrite: false`, which runs before this one wrote into every
+    recipe.yaml, asks for nothing and is dropped."""
+    export = data.get("export")
+    if not isinstance(export, dict) or "overwrite" not in export:
+        return
+    if export["overwrite"] is not False:
+        raise RecipeError(source, "export.overwrite", "replacing an output folder is decided on the command "
+                          "line (--overwrite), never by a recipe; remove this key")
+    data["export"] = {k: v for k, v in export.items() if k != "overwrite"}
 
 
 def _check_strings(recipe: Recipe, source: str) -> None:
@@ -122,7 +161,8 @@ def _check_strings(recipe: Recipe, source: str) -> None:
         try:
             re.compile(pattern[3:])
         except re.error as err:
-            raise RecipeError(source, f"ignore[{i}]", f"{pattern!r} is not a valid regular expression: {err}") from None
+            raise RecipeError(source, f"ignore[{i}]",
+                              f"{short_repr(pattern)} is not a valid regular expression: {err}") from None
 
 
 def parse_step(item, source: str, key: str, shared_scheme: Optional[dict] = None) -> Step:
@@ -135,9 +175,9 @@ def parse_step(item, source: str, key: str, shared_scheme: Optional[dict] = None
         raise RecipeError(source, f"{key}.{name}", f"unknown step; valid steps: {sorted(STEPS)}")
     config = STEPS[name].config
     takes_scheme = "scheme" in {f.name for f in dataclasses.fields(config)}
-    if shared_scheme is None or not takes_scheme:
-        return Step(name, build(config, options, source, f"{key}.{name}"))
-    own = (options or {}).get("scheme") if isinstance(options, dict) else None
+    if shared_scheme is None or not takes_scheme or not isinstance(options, (dict, type(None))):
+        return Step(name, build(config, options, source, f"{key}.{name}"))  # build names a non-mapping
+    own = (options or {}).get("scheme")
     if own is not None and not isinstance(own, dict):
         return Step(name, build(config, options, source, f"{key}.{name}"))  # reports the bad value
     merged = {**(options or {}), "scheme": {**shared_scheme, **(own or {})}}  # the step's keys win
@@ -200,6 +240,6 @@ def _descend(node, key: str, next_key: str, source: str, where: str):
 
 
 def _index(node: list, key: str, where: str) -> int:
-    if not key.isdigit() or int(key) >= len(node):
-        raise RecipeError("--set", where, f"list index must be 0..{len(node) - 1}, got {key!r}")
+    if not (key.isascii() and key.isdigit()) or int(key) >= len(node):  # "²" is a digit int() refuses
+        raise RecipeError("--set", where, f"list index must be 0..{len(node) - 1}, got {short_repr(key)}")
     return int(key)

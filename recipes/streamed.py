@@ -28,10 +28,11 @@ from lowbit.calibrate.arch import Arch, decoder_layers, matches_name
 from lowbit.calibrate.checks import check_finite_weights, safetensors_files
 from lowbit.calibrate.distributed import world
 from lowbit.calibrate.hardware import available_memory_bytes
+from lowbit.calibrate.model_config import check_model_source
 from lowbit.calibrate.models import load_tokenizer, resolve_model_path
 from lowbit.calibrate.observers_walked import walked_kv_absmax, walked_linear_input_absmax
-from lowbit.calibrate.streaming import (ShardedWeights, buffers_to, embedding_rows, empty_model, materialize,
-                                        outer_modules, release_all)
+from lowbit.calibrate.streaming import (ShardedWeights, buffers_to, check_weights_match, embedding_rows, empty_model,
+                                        materialize, outer_modules, release_all)
 from lowbit.quantize.audit import AuditReport, audit_model
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
@@ -134,11 +135,15 @@ def _cannot_stream(recipe: Recipe, folder: Path) -> str:
 
 
 def load_skeleton(recipe: Recipe, folder: str):
-    """(skeleton model, tokenizer, its weights, seconds): nothing of the weights is read."""
+    """(skeleton model, tokenizer, its weights, seconds): nothing of the weights is read, but their
+    names and shapes are checked against the skeleton before any calibration."""
     start = time.perf_counter()
+    check_model_source(folder, recipe.trust_remote_code)  # a decoder LM, its own code allowed: before it runs
     tokenizer = load_tokenizer(folder, recipe.trust_remote_code)
     model = empty_model(folder, CALIBRATION_DTYPE, recipe.trust_remote_code)
-    return model, tokenizer, ShardedWeights(folder), time.perf_counter() - start
+    weights = ShardedWeights(folder)
+    check_weights_match(model, weights)
+    return model, tokenizer, weights, time.perf_counter() - start
 
 
 def apply_steps_streamed(recipe: Recipe, ctx: StepContext, weights: ShardedWeights, progress, timed) -> tuple:
@@ -217,16 +222,18 @@ class PortionAudit:
     """The run's audit, one resident portion at a time while the export reads it (so a failed
     audit publishes nothing); the portions' reports add up to the whole model's."""
 
-    def __init__(self, expected: dict, ignored: dict, kv, arch: Arch, storage_dtype, damping: tuple):
-        self.expected, self.ignored, self.kv, self.arch = expected, ignored, kv, arch
+    def __init__(self, expected: dict, ignored: dict, kv, arch: Arch, storage_dtype, damping: tuple,
+                 ignore: tuple[str, ...] = ()):
+        self.expected, self.ignored, self.kv, self.arch, self.ignore = expected, ignored, kv, arch, ignore
         self.storage_dtype, self.report = storage_dtype, AuditReport(damping=list(damping))
 
     def __call__(self, model: nn.Module, resident: list[int]) -> None:
         prefixes = tuple(f"{self.arch.layers}.{i}." for i in resident)
         expected = {n: s for n, s in self.expected.items() if n.startswith(prefixes)}
-        part = audit_model(model, expected, self.ignored, self.kv, self.arch, self.storage_dtype)
+        part = audit_model(model, expected, self.ignored, self.kv, self.arch, self.storage_dtype, ignore=self.ignore)
         self.report.checked.update(part.checked)
         self.report.kv = part.kv or self.report.kv
         self.report.ignored.update({n: why for n, why in part.ignored.items() if n not in self.report.ignored})
         self.report.problems += part.problems
+        self.report.matrices.add(part.matrices)
         part.raise_if_failed()

@@ -6,14 +6,19 @@ import types
 import typing
 from typing import Any, Literal, Union
 
+from lowbit.calibrate.messages import short_repr, shown_name
+
+INT_BOUND = 2**63  # an int option outside int64 is a typo, and would overflow torch or numpy later
+
 
 class RecipeError(ValueError):
     """A recipe that cannot run: says which file, which key, and what would be valid."""
 
     def __init__(self, source: str, key: str, message: str):
         self.source, self.key = source, key
-        where = f"{source}: {key}" if key else source
+        where = f"{shown_name(source)}: {shown_name(key)}" if key else shown_name(source)
         super().__init__(f"{where}: {message}")
+
 
 
 def build(cls, data: Any, source: str, key: str = ""):
@@ -21,7 +26,8 @@ def build(cls, data: Any, source: str, key: str = ""):
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError(source, key, f"expected a mapping of {cls.__name__} options, got {_kind(data)}")
+        raise RecipeError(source, key, f"expected a mapping of {cls.__name__} options, got {_kind(data)} "
+                          f"{short_repr(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
     unknown = sorted(set(map(str, data)) - set(fields))
     if unknown:
@@ -58,7 +64,7 @@ def convert(hint, value, source: str, key: str):
         return convert(inner[0] if len(inner) == 1 else Union[tuple(inner)], value, source, key)
     if origin is Literal:
         if value not in args:
-            raise RecipeError(source, key, f"{value!r} is not valid; choose one of {list(args)}")
+            raise RecipeError(source, key, f"{short_repr(value)} is not valid; choose one of {list(args)}")
         return value
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
@@ -80,7 +86,7 @@ def _dataclass_for(choices: list, value, source: str, key: str):
         if given <= {f.name for f in dataclasses.fields(cls)}:
             return cls
     keys = "; ".join(f"{c.__name__}: {sorted(f.name for f in dataclasses.fields(c))}" for c in choices)
-    raise RecipeError(source, key, f"keys {sorted(given)} fit none of the choices here ({keys})")
+    raise RecipeError(source, key, f"keys {short_repr(sorted(given))} fit none of the choices here ({keys})")
 
 
 def _scalar(hint, value, source, key):
@@ -88,12 +94,14 @@ def _scalar(hint, value, source, key):
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         if abs(value) > 1e308:  # float() would raise OverflowError
-            raise RecipeError(source, key, f"{value} is too large for a number")
+            raise RecipeError(source, key, f"{short_repr(value)} is too large for a number")
         return float(value)
     if hint in (int, float) and isinstance(value, bool):
         raise RecipeError(source, key, f"expected {hint.__name__}, got a boolean {value!r}")
     if not isinstance(value, hint):
-        raise RecipeError(source, key, f"expected {hint.__name__}, got {_kind(value)} {value!r}")
+        raise RecipeError(source, key, f"expected {hint.__name__}, got {_kind(value)} {short_repr(value)}")
+    if hint is int and not -INT_BOUND <= value < INT_BOUND:
+        raise RecipeError(source, key, f"{short_repr(value)} is out of range (at most 2**63 - 1 in size)")
     return value
 
 
@@ -103,7 +111,8 @@ def _kind(value) -> str:
 
 
 def _join(key: str, name) -> str:
-    return f"{key}.{name}" if key else str(name)
+    name = str(name) or "''"  # an empty key, named
+    return f"{key}.{name}" if key else name
 
 
 def to_plain(obj):

@@ -25,6 +25,22 @@ def smollm2():
     return model, tokenizer
 
 
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A 2-layer random llama folder on disk (model_folders.save_tiny_folder), one per test module."""
+    from model_folders import save_tiny_folder
+
+    return save_tiny_folder(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture
+def model_copy(tiny_folder, tmp_path):
+    """A copy of tiny_folder that a test may damage."""
+    from model_folders import copy_folder
+
+    return copy_folder(tiny_folder, tmp_path / "model")
+
+
 @pytest.fixture
 def tiny_tokenizer_dir(tmp_path_factory):
     """The smollm2 tokenizer folder (small files), for pipelines on tiny models."""

@@ -56,3 +56,44 @@ def start_run_stopping_in_evaluation(args: list[str], cwd) -> subprocess.Popen:
         proc.kill()
         raise AssertionError(f"the run ended before its evaluation: {proc.communicate()[1][-3000:]}")
     return proc
+
+
+# `lowbit run …` that reaches its results stage (the checkpoint exported and evaluated), announces
+# it with RESULTS and then, as the test asks through the environment, waits until a file exists
+# (LOWBIT_TEST_GO: the test changes the world meanwhile) and/or can no longer write a file past
+# LOWBIT_TEST_FSIZE bytes (RLIMIT_FSIZE, set only now: a real write failure at the results stage).
+AT_RESULTS_STAGE = """
+import os, resource, signal, sys, time
+import lowbit.recipes.run as run
+from lowbit.recipes.cli import main
+
+write_results = run.write_results
+
+def at_results_stage(*args, **kwargs):
+    print("RESULTS", flush=True)
+    go = os.environ.get("LOWBIT_TEST_GO")
+    while go and not os.path.exists(go):
+        time.sleep(0.05)
+    limit = os.environ.get("LOWBIT_TEST_FSIZE")
+    if limit:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), resource.RLIM_INFINITY))
+    return write_results(*args, **kwargs)
+
+run.write_results = at_results_stage
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def start_run_at_results_stage(args: list[str], cwd, **env: str) -> subprocess.Popen:
+    """Start `lowbit ARGS` in a second process (AT_RESULTS_STAGE, env its LOWBIT_TEST_* settings);
+    returns once it has reached its results stage."""
+    import os
+
+    proc = subprocess.Popen([sys.executable, "-c", AT_RESULTS_STAGE, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd, env={**os.environ, **env})
+    line = proc.stdout.readline()
+    if line.strip() != "RESULTS":
+        proc.kill()
+        raise AssertionError(f"the run ended before its results stage: {proc.communicate()[1][-3000:]}")
+    return proc

@@ -252,6 +252,7 @@ def test_cli_audit_without_recipe_uses_the_config(run_dir, tmp_path, capsys):
     bare = tmp_path / "bare"
     shutil.copytree(run_dir[1], bare)
     (bare / "recipe.yaml").unlink()
+    (bare / "manifest.json").unlink()  # as another tool's checkpoint: no recipe, no manifest
     assert main(["audit", str(bare)]) == 0
     assert "lm_head: in quantization_config.ignore" in capsys.readouterr().out
     config = json.loads((bare / "config.json").read_text())

@@ -8,7 +8,7 @@ from lowbit.recipes.cli import main
 
 QUICK_EVAL = ["--set", "evaluate.perplexity.max_tokens=512", "--set", "evaluate.perplexity.context_len=128",
               "--set", "evaluate.perplexity.stride=128", "--set", "evaluate.kl.max_tokens=256"]
-RUN_ONLY = {"timing": {}, "steps": [], "audit": None}  # what eval leaves empty
+RUN_ONLY = {"timing": {}, "steps": []}  # what eval leaves empty
 SAME_FIGURES = {"quality": ("perplexity", "baseline_perplexity", "dataset", "protocol", "kl"),
                 "memory": ("weight_bytes", "baseline_weight_bytes", "predicted", "fit", "model_max_context",
                            "baseline_predicted", "baseline_fit")}
@@ -40,6 +40,9 @@ def test_run_and_eval_of_its_checkpoint_write_one_schema_and_the_same_figures(tm
         assert key_tree(ran[section]) == key_tree(evaluated[section]), section
     assert {k: evaluated[k] for k in RUN_ONLY} == RUN_ONLY
     assert ran["timing"] and ran["steps"] and ran["audit"]["passed"]
+    # eval audits a lowbit checkpoint too: its files, structure and config.json, not the run's steps
+    assert evaluated["audit"]["passed"] and evaluated["audit"]["integrity"].startswith("every file matches")
+    assert evaluated["audit"]["quantized_share"] == ran["audit"]["quantized_share"] == 1.0
     assert ran["recipe"]["evaluate"] == evaluated["recipe"]["evaluate"]  # the same protocol and options
 
     for section, keys in SAME_FIGURES.items():

@@ -60,7 +60,7 @@ def test_write_failure_names_the_file_and_leaves_no_checkpoint(tmp_path):
     assert list(tmp_path.iterdir()) == []  # neither the target nor a staging folder remains
 
 
-def test_non_empty_output_is_refused_unless_overwrite(tmp_path):
+def test_non_empty_output_is_refused_and_overwrite_never_replaces_a_users_folder(tmp_path):
     model = quantized_tiny()
     target = tmp_path / "ckpt"
     target.mkdir()
@@ -68,8 +68,9 @@ def test_non_empty_output_is_refused_unless_overwrite(tmp_path):
     with pytest.raises(FileExistsError, match="not empty.*--overwrite"):
         checkpoint.save(model, None, target, ExportConfig())
     assert (target / "precious.txt").read_text() == "keep me"
-    checkpoint.save(model, None, target, ExportConfig(overwrite=True))
-    assert checkpoint.is_checkpoint(target) and not (target / "precious.txt").exists()
+    with pytest.raises(FileExistsError, match="is not a lowbit output.*delete it yourself"):
+        checkpoint.save(model, None, target, ExportConfig(), overwrite=True)  # not lowbit's: never replaced
+    assert [p.name for p in target.iterdir()] == ["precious.txt"] and (target / "precious.txt").read_text() == "keep me"
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
 

@@ -32,15 +32,16 @@ def test_manifest_lists_every_file_with_its_sha256(tmp_path, fmt):
     assert verify_manifest(out) == [f"{out / 'model.safetensors'}: differs from {MANIFEST} (size or sha256)"]
 
 
-def test_non_empty_output_is_refused_unless_overwrite(tmp_path):
-    target = tmp_path / "ckpt"
-    target.mkdir()
-    (target / "precious.txt").write_text("keep me")
+def test_overwrite_replaces_a_lowbit_export_unless_a_file_was_added_to_it(tmp_path):
+    target = checkpoint.save(quantized_tiny(), None, tmp_path / "ckpt", ExportConfig())
     with pytest.raises(FileExistsError, match="not empty.*--overwrite"):
         checkpoint.save(quantized_tiny(), None, target, ExportConfig())
-    assert (target / "precious.txt").read_text() == "keep me"
-    checkpoint.save(quantized_tiny(), None, target, ExportConfig(overwrite=True))
-    assert checkpoint.is_lowbit_export(target) and not (target / "precious.txt").exists()
+    checkpoint.save(quantized_tiny(), None, target, ExportConfig(), overwrite=True)  # lowbit's own: replaced
+    assert checkpoint.is_lowbit_export(target) and verify_manifest(target) == []
+    (target / "precious.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match=r"holds files lowbit did not write \(precious.txt\)"):
+        checkpoint.save(quantized_tiny(), None, target, ExportConfig(), overwrite=True)
+    assert (target / "precious.txt").read_text() == "keep me" and verify_manifest(target) == []
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
 
@@ -57,7 +58,7 @@ def save_then_die(tensors, path, metadata=None):
     real(tensors, path, metadata=metadata)
     os._exit(9)  # killed after the weights, before config.json and the manifest: no cleanup runs
 hf_folder.save_tensors = save_then_die  # where every format writes its weights
-checkpoint.save(quantized_tiny(), None, sys.argv[1], ExportConfig(overwrite=True))
+checkpoint.save(quantized_tiny(), None, sys.argv[1], ExportConfig(), overwrite=True)
 """
 
 

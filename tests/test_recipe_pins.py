@@ -62,6 +62,7 @@ def run_recipe(name: str, model: str, out: Path, capsys) -> dict:
     err = capsys.readouterr().err
     if code != 0:
         return {"error": err.strip().splitlines()[-1]}
+    assert main(["audit", str(out)]) == 0, capsys.readouterr().out  # the written checkpoint passes its audit
     results = json.loads((out / "results.json").read_text())
     return {"files": file_hashes(out), "perplexity": results["quality"]["perplexity"]}
 

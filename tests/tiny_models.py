@@ -74,3 +74,23 @@ def run_on_tiny_llama(folder, recipe: dict, seed: int = 1) -> tuple:
     path.write_text(json.dumps({"model": str(model_dir), **recipe}))
     out = folder / "run"
     return main(["run", str(path), "--output", str(out), *[f"--set={s}" for s in SMALL_RUN]]), out
+
+
+def save_tiny_qwen3_moe(folder, seed: int = 0):
+    """A tiny random Qwen3-MoE (2 layers, 4 experts, top-2, hidden 64) saved with the smollm2
+    tokenizer into `folder`. Loaded, transformers 5.x holds its experts as fused 3-D parameters
+    (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]) beside a router (mlp.gate);
+    save_pretrained writes them one expert at a time."""
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from lowbit.calibrate.models import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                         num_experts_per_tok=2, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, tie_word_embeddings=True, max_position_embeddings=256)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

@@ -47,6 +47,12 @@ class ExportFormat(ABC):
         popping their tensors; the float tensors left are loaded by the caller. `where` names the
         file for errors."""
 
+    def config_problems(self, config: dict, folder: Path) -> list[str]:
+        """Where config.json's quantization settings disagree with the quantized tensors in `folder`
+        (read from the file headers, not loaded), one line each naming the tensor and the config
+        key; formats whose modules are built from the tensors alone find none."""
+        return []
+
     def weight_bytes(self, folder: Path) -> int:
         """Bytes of the weight tensors as written (codes, scales, float weights)."""
         return safetensors_bytes(folder)

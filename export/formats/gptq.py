@@ -21,6 +21,7 @@ from lowbit.quantize.runtime.qlinear import QuantLinear
 
 from .base import ExportFormat
 from .compressed_tensors.packed import is_plain_grouping
+from .tensor_table import FolderTensors, TensorTable, build_or_explain
 from .hf_folder import (checkpoint_tensors, float_linears, quant_method, quantized_modules,
                          write_quantized)
 
@@ -127,8 +128,39 @@ def build_module(prefix: str, tensors: dict[str, torch.Tensor], qconfig: dict) -
     return module
 
 
-def quantized_prefixes(tensors: dict[str, torch.Tensor]) -> list[str]:
+def quantized_prefixes(tensors) -> list[str]:
     return sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
+
+
+def module_problems(prefix: str, table, qconfig: dict) -> list[str]:
+    """Where quantization_config's bits, group_size, sym and desc_act disagree with one layer's
+    tensors (`table`: a TensorTable), naming the tensor and the key."""
+    missing = [f"{prefix}.{t}" for t in ("qweight", "qzeros", "scales", "g_idx") if f"{prefix}.{t}" not in table]
+    if missing:
+        return [f"{missing[0]}: missing (the GPTQ format stores qweight, qzeros, scales and g_idx per layer)"]
+    bits, group_size = qconfig.get("bits"), qconfig.get("group_size")
+    if bits not in SUPPORTED_BITS or not isinstance(group_size, int):
+        return [f"{prefix}.qweight: quantization_config.bits {bits!r}, group_size {group_size!r}; "
+                f"GPTQ holds bits {SUPPORTED_BITS} and an integer group_size (-1: per channel)"]
+    in_f, out_f = table.shape(f"{prefix}.g_idx")[0], table.shape(f"{prefix}.scales")[-1]
+    groups = in_f // group_size if group_size > 0 else 1
+    need = {"qweight": ((in_f * bits + 31) // 32, out_f), "scales": (groups, out_f),
+            "qzeros": (groups, (out_f * bits + 31) // 32)}
+    problems = [f"{prefix}.{t}: shape {table.shape(f'{prefix}.{t}')}, but quantization_config.bits {bits} and "
+                f"group_size {group_size} make {shape} for in {in_f}, out {out_f}"
+                for t, shape in need.items() if table.shape(f"{prefix}.{t}") != shape]
+    if problems:
+        return problems
+    scheme = IntScheme(bits, True, "group" if group_size > 0 else "channel", group_size if group_size > 0 else None)
+    zeros = unpack_codes(table.value(f"{prefix}.qzeros"), bits, out_f).int() + ZERO_OFFSET
+    off = int((zeros != 2 ** (bits - 1)).sum())
+    if qconfig.get("sym") and off:
+        problems.append(f"{prefix}.qzeros: {off} of {zeros.numel()} zero points are not the symmetric "
+                        f"midpoint {2 ** (bits - 1)}, but quantization_config.sym is true")
+    if not qconfig.get("desc_act") and not is_plain_grouping(table.value(f"{prefix}.g_idx").long(), scheme):
+        problems.append(f"{prefix}.g_idx: columns out of group order (act-order), but quantization_config.desc_act "
+                        "is false")
+    return problems
 
 
 class GPTQFormat(ExportFormat):
@@ -147,8 +179,16 @@ class GPTQFormat(ExportFormat):
         return quant_method(config) == QUANT_METHOD
 
     def read(self, model, tensors, config: dict, where: str) -> None:
+        qconfig = config["quantization_config"]
+        as_read = dict(tensors)  # what a failed build is explained from (a build takes its tensors out)
         for prefix in quantized_prefixes(tensors):
-            model.set_submodule(prefix, build_module(prefix, tensors, config["quantization_config"]))
+            model.set_submodule(prefix, build_or_explain(
+                lambda: build_module(prefix, tensors, qconfig),
+                lambda: module_problems(prefix, TensorTable(as_read), qconfig), where))
+
+    def config_problems(self, config: dict, folder: Path) -> list[str]:
+        qconfig, table = config["quantization_config"], FolderTensors(folder)
+        return [p for prefix in quantized_prefixes(table.names()) for p in module_problems(prefix, table, qconfig)]
 
     def describe(self, config: dict) -> str:
         q = config["quantization_config"]

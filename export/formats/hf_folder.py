@@ -14,6 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from lowbit.calibrate.checks import read_index
+from lowbit.calibrate.model_config import check_model_source, code_modules
+from lowbit.calibrate.models import resolve_model_path
 from lowbit.export import kv_scales
 from lowbit.export.files import save_tensors
 from lowbit.quantize.runtime.modules import is_quantized_linear
@@ -138,13 +141,39 @@ def write_folder_files(folder: Path, model, tokenizer, config: dict, extra_files
         model.generation_config.save_pretrained(folder)
     for name, text in extra_files.items():
         (folder / name).write_text(text, encoding="utf-8")
+    if "auto_map" in config and not any(name.endswith(".py") for name in extra_files):
+        # the model ran as transformers' own class (its code was not allowed to run, so none is
+        # carried): an auto_map naming absent files would break a trust_remote_code load
+        config = {k: v for k, v in config.items() if k != "auto_map"}
     (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
 
 
+def model_code(model: str | Path, trust_remote_code: bool) -> dict[str, str]:
+    """The model's own code (file name -> text) for a checkpoint to carry, so that it reloads as the
+    model did: the modules config.json's auto_map names and the .py files they import from its
+    folder. {} when loading the model runs no code of its own (or none was allowed to run)."""
+    if not trust_remote_code:
+        return {}
+    folder = Path(resolve_model_path(str(model)))
+    return {name: (folder / name).read_text(encoding="utf-8") for name in check_model_source(str(folder), True)}
+
+
+def code_card_rows(config: dict, carried: bool) -> list[str]:
+    """The model card's row for a checkpoint that carries the model's own code (`carried`: the run
+    was allowed to run it, so the export copied it)."""
+    modules = code_modules(config, "config.json") if carried else []
+    if not modules:
+        return []
+    files = ", ".join(f"`{m}.py`" for m in modules)
+    return [f"| Model code | its own, carried beside config.json: {files} and the files they import; loading "
+            "it runs that code (`trust_remote_code=True`): review it first |"]
+
+
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of model.safetensors, or of every shard its index lists."""
+    """All tensors of model.safetensors, or of every shard its index lists (plain file names in
+    `folder`, checked before any is opened)."""
     index = folder / INDEX
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [WEIGHTS]
+    files = sorted(set(read_index(folder, INDEX).values())) if index.is_file() else [WEIGHTS]
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         path = folder / name

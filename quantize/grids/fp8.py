@@ -11,6 +11,8 @@ from typing import Literal
 
 import torch
 
+from lowbit.calibrate.messages import short_repr
+
 FP8Format = Literal["e4m3", "e5m2"]  # e4m3: more precision (weights, activations); e5m2: more range
 WeightStrategy = Literal["tensor", "channel", "block"]
 
@@ -30,14 +32,14 @@ class FP8Scheme:
     def __post_init__(self):
         fp8_dtype(self.format)  # raises on an unknown format
         if self.strategy not in ("tensor", "channel", "block"):
-            raise ValueError(f"strategy must be one of tensor, channel, block; got {self.strategy!r}")
+            raise ValueError(f"strategy must be one of tensor, channel, block; got {short_repr(self.strategy)}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
 
 
 def fp8_dtype(fmt: FP8Format) -> torch.dtype:
     if fmt not in FP8_DTYPES:
-        raise ValueError(f"FP8 format must be one of {sorted(FP8_DTYPES)}, got {fmt!r}")
+        raise ValueError(f"FP8 format must be one of {sorted(FP8_DTYPES)}, got {short_repr(fmt)}")
     return FP8_DTYPES[fmt]
 
 
@@ -86,7 +88,7 @@ def weight_scale(w: torch.Tensor, strategy: WeightStrategy, fmt: FP8Format, bloc
     elif strategy == "block":
         absmax = block_absmax(w, block)
     else:
-        raise ValueError(f"FP8 weight strategy must be tensor, channel or block; got {strategy!r}")
+        raise ValueError(f"FP8 weight strategy must be tensor, channel or block; got {short_repr(strategy)}")
     return scale_from_absmax(absmax, fmt)
 
 

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from lowbit.calibrate.messages import short_repr
 from lowbit.quantize.grids import gguf_kquants
 
 
@@ -47,7 +48,7 @@ def fallback_type(type: str, cols: int) -> Optional[str]:
     its block divides the rows, else Q4_K -> Q5_0 and Q6_K -> Q8_0; None (keep the tensor float)
     when not even a 32-block divides them."""
     if type not in LAYOUTS:
-        raise ValueError(f"GGUF type must be one of {sorted(LAYOUTS)}, got {type!r}")
+        raise ValueError(f"GGUF type must be one of {sorted(LAYOUTS)}, got {short_repr(type)}")
     for candidate in (type, _FALLBACK.get(type)):
         if candidate is not None and cols % LAYOUTS[candidate].block == 0:
             return candidate
@@ -62,7 +63,7 @@ class GGUFScheme:
 
     def __post_init__(self):
         if self.type not in LAYOUTS:
-            raise ValueError(f"GGUF type must be one of {sorted(LAYOUTS)}, got {self.type!r}")
+            raise ValueError(f"GGUF type must be one of {sorted(LAYOUTS)}, got {short_repr(self.type)}")
 
     @property
     def layout(self) -> _Layout:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lowbit.calibrate.arch import matches_name
+from lowbit.calibrate.messages import short_repr
 from lowbit.quantize.grids.gguf import LAYOUTS, fallback_type
 
 BASE_TYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
@@ -46,10 +47,10 @@ class GGUFTypes:
 
     def __post_init__(self):
         if self.gguf not in BASE_TYPE:
-            raise ValueError(f"gguf file type must be one of {sorted(BASE_TYPE)}, got {self.gguf!r}")
+            raise ValueError(f"gguf file type must be one of {sorted(BASE_TYPE)}, got {short_repr(self.gguf)}")
         for pattern, kind in self.types.items():
             if kind not in LAYOUTS and kind != F16:
-                raise ValueError(f"types[{pattern!r}]: {kind!r} is not a GGML type; valid: "
+                raise ValueError(f"types[{short_repr(pattern)}]: {short_repr(kind)} is not a GGML type; valid: "
                                  f"{', '.join(sorted(LAYOUTS))}, {F16}")
 
     @property

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lowbit.calibrate.arch import matches_name
+from lowbit.calibrate.messages import short_repr
 from lowbit.quantize.grids.integer import IntScheme
 
 F16 = "f16"  # stays 16-bit
@@ -28,7 +29,7 @@ def int_format(name: str) -> Optional[IntScheme]:
         return None
     match = FORMAT.match(name)
     if not match:
-        raise ValueError(f"{name!r} is not a weight format; valid: int<bits> (per channel, bits 2-8), "
+        raise ValueError(f"{short_repr(name)} is not a weight format; valid: int<bits> (per channel, bits 2-8), "
                          f"int<bits>_g<group> (e.g. int4_g128), or {F16}")
     bits, group = int(match.group(1)), match.group(2)
     if group is None:
@@ -72,7 +73,7 @@ class IntTypes:
             try:
                 int_format(kind)
             except ValueError as err:
-                raise ValueError(f"formats[{pattern!r}]: {err}") from None
+                raise ValueError(f"formats[{short_repr(pattern)}]: {err}") from None
 
     def format_of(self, name: str) -> str:
         for pattern, kind in self.formats.items():

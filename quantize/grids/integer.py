@@ -10,6 +10,8 @@ from typing import Literal, Optional
 
 import torch
 
+from lowbit.calibrate.messages import short_repr
+
 Strategy = Literal["tensor", "channel", "group"]
 
 
@@ -26,7 +28,7 @@ class IntScheme:
         if not 2 <= self.bits <= 8:
             raise ValueError(f"bits must be between 2 and 8, got {self.bits}")
         if self.strategy not in ("tensor", "channel", "group"):
-            raise ValueError(f"strategy must be one of tensor, channel, group; got {self.strategy!r}")
+            raise ValueError(f"strategy must be one of tensor, channel, group; got {short_repr(self.strategy)}")
         if (self.strategy == "group") != (self.group_size is not None):
             raise ValueError("group_size is required with strategy 'group' and only with it")
         if self.group_size is not None and self.group_size <= 0:

@@ -11,6 +11,7 @@ from typing import Literal, Optional
 
 import torch
 
+from lowbit.calibrate.messages import short_repr
 from lowbit.quantize.grids.fp8 import fp8_max, saturating_cast
 
 KVFormat = Literal["int8", "fp8", "int4"]
@@ -29,13 +30,17 @@ class KVCacheConfig:
     def __post_init__(self):
         if self.format == "int4" and self.strategy != "token":
             raise ValueError(f"format int4 needs strategy: token (per-token groups of group_size "
-                             f"along head_dim), got strategy {self.strategy!r}")
+                             f"along head_dim), got strategy {short_repr(self.strategy)}")
         if self.group_size <= 0 or self.group_size % 2:
             raise ValueError(f"group_size must be a positive even number, got {self.group_size}")
 
     @property
     def static(self) -> bool:
         return self.strategy != "token"
+
+    def fits(self, head_dim: int) -> bool:
+        """Whether a cache of this format can hold heads of head_dim (int4's groups must divide it)."""
+        return self.format != "int4" or head_dim % self.group_size == 0
 
     @property
     def qmax(self) -> float:
@@ -116,7 +121,7 @@ def quantize_kv(x: torch.Tensor, cfg: KVCacheConfig, scale: Optional[torch.Tenso
         return _quantize_int4(x, cfg.group_size)
     if cfg.static:
         if scale is None:
-            raise ValueError(f"KV strategy {cfg.strategy!r} needs a calibrated scale (run the kv_cache step)")
+            raise ValueError(f"KV strategy {short_repr(cfg.strategy)} needs a calibrated scale (run the kv_cache step)")
         s = broadcast_scale(scale).to(x.device)
     else:
         s = _token_scale(x, cfg.qmax)

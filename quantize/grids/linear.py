@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from lowbit.calibrate.messages import short_repr
 from lowbit.quantize.grids.fp8 import ActivationMode, FP8Scheme
 from lowbit.quantize.grids.gguf import GGUFScheme
 from lowbit.quantize.grids.gguf_plan import GGUFTypes
@@ -30,11 +31,11 @@ class LinearScheme:
     def __post_init__(self):
         if isinstance(self.weights, (GGUFScheme, GGUFTypes, IntTypes)):
             if self.inputs is not None:
-                raise ValueError(f"{type(self.weights).__name__} weights cannot take inputs {self.inputs!r}")
+                raise ValueError(f"{type(self.weights).__name__} weights cannot take inputs {short_repr(self.inputs)}")
             return
         fp8 = isinstance(self.weights, FP8Scheme)
         if fp8 != isinstance(self.inputs, str) or (not fp8 and not isinstance(self.inputs, (InputQuant, type(None)))):
-            raise ValueError(f"{type(self.weights).__name__} weights cannot take inputs {self.inputs!r}")
+            raise ValueError(f"{type(self.weights).__name__} weights cannot take inputs {short_repr(self.inputs)}")
 
     def describe(self) -> str:
         if isinstance(self.weights, IntScheme):

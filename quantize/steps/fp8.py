@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lowbit.calibrate.arch import linear_weight
+from lowbit.calibrate.messages import short_repr
 from lowbit.calibrate.progress import Progress
 from lowbit.quantize.grids.fp8 import ActivationMode, FP8Scheme, quantize_weight_fp8, scale_from_absmax
 from lowbit.quantize.grids.linear import LinearScheme
@@ -31,7 +32,7 @@ class FP8Config:
 
     def __post_init__(self):
         if self.rounding not in ("nearest", "gptq"):
-            raise ValueError(f"rounding must be nearest or gptq, got {self.rounding!r}")
+            raise ValueError(f"rounding must be nearest or gptq, got {short_repr(self.rounding)}")
         if self.rounding == "gptq":
             self.gptq_config  # validates dampening_frac
 

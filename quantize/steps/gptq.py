@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lowbit.calibrate.arch import linear_weight
+from lowbit.calibrate.messages import short_repr
 from lowbit.quantize.grids.gguf_plan import GGUFTypes
 from lowbit.quantize.grids.int_plan import IntTypes
 from lowbit.quantize.grids.integer import IntScheme, check_group_size
@@ -62,13 +63,13 @@ class GPTQConfig:
         if self.batch_columns < 1 or self.micro_batch < 1:
             raise ValueError("batch_columns and micro_batch must be positive")
         if self.scale_search not in ("minmax", "mse"):
-            raise ValueError(f"scale_search must be minmax or mse, got {self.scale_search!r}")
+            raise ValueError(f"scale_search must be minmax or mse, got {short_repr(self.scale_search)}")
         if not 0 <= self.dampening_frac < 10:
             raise ValueError(f"dampening_frac must be in [0, 10), got {self.dampening_frac}")
         if not 0 <= self.scale_refits <= 10:
             raise ValueError(f"scale_refits must be between 0 and 10, got {self.scale_refits}")
         if self.forward_dtype not in ("auto", "bfloat16", "float32"):
-            raise ValueError(f"forward_dtype must be auto, bfloat16 or float32, got {self.forward_dtype!r}")
+            raise ValueError(f"forward_dtype must be auto, bfloat16 or float32, got {short_repr(self.forward_dtype)}")
 
 
 def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:

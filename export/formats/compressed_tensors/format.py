@@ -8,6 +8,8 @@ import torch
 from ..base import ExportFormat
 from ..hf_folder import (checkpoint_tensors, float_linears, quant_method, quantized_modules,
                           write_quantized)
+from ..tensor_table import FolderTensors, TensorTable, build_or_explain
+from .agreement import config_problems, module_problems
 from .codecs import (QUANT_METHOD, build_module, check_consumers_can_load, module_tensors,
                      quantization_config, quantized_prefixes)
 
@@ -27,8 +29,15 @@ class CompressedTensorsFormat(ExportFormat):
         return quant_method(config) == QUANT_METHOD
 
     def read(self, model, tensors, config: dict, where: str) -> None:
+        qconfig = config["quantization_config"]
+        as_read = dict(tensors)  # what a failed build is explained from (a build takes its tensors out)
         for prefix in quantized_prefixes(tensors):
-            model.set_submodule(prefix, build_module(prefix, tensors, config["quantization_config"], where))
+            model.set_submodule(prefix, build_or_explain(
+                lambda: build_module(prefix, tensors, qconfig, where),
+                lambda: module_problems(prefix, TensorTable(as_read), qconfig), where))
+
+    def config_problems(self, config: dict, folder: Path) -> list[str]:
+        return config_problems(config["quantization_config"], FolderTensors(folder))
 
     def describe(self, config: dict) -> str:
         qconfig = config["quantization_config"]
