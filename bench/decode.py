@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.calibrate.arch import arch_for
+from lowbit.calibrate.cached_forward import cached_forward
 from lowbit.calibrate.hardware import cpu_info
 from lowbit.evaluate.speed import decode_step_bytes
 from lowbit.quantize.runtime import backends
@@ -158,16 +159,15 @@ class DecodeSession:
 
     @torch.inference_mode()
     def __init__(self, model: nn.Module, batch: int, prompt: int, device: torch.device):
-        from transformers import DynamicCache
-
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=gen).to(device)
-        self.model, self.device, self.cache = model, device, DynamicCache(config=model.config)
+        self.model, self.device, self.cache = model, device, None  # the prefill makes the model's own
         self.token = self._forward(ids)
         self.times = Timings()
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[:, -1:].argmax(-1)
+        out, self.cache = cached_forward(self.model, ids, self.cache)
+        return out.logits[:, -1:].argmax(-1)
 
     @torch.inference_mode()
     def step(self) -> None:

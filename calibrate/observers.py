@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .cached_forward import cached_forward
 from .distributed import all_max
 from .progress import Progress
 
@@ -85,7 +86,7 @@ def cached_kv_absmax(model: nn.Module, batches: torch.Tensor, micro_batch: int =
     progress = Progress("observe kv cache", len(chunks), "batches")
     for chunk in chunks:
         cache = Cache(layers=[_AbsmaxRecordingLayer(stats, i) for i in range(n_layers)])
-        model(input_ids=chunk.to(device), cache=cache, use_cache=True)
+        cached_forward(model, chunk.to(device), cache)
         progress.step()
     stacked = stack_kv_stats(stats, n_layers, model)
     return {name: all_max(per_layer) for name, per_layer in stacked.items()}  # over every rank's samples

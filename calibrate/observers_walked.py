@@ -5,7 +5,6 @@ maxima do not depend on the order they are taken in, so the figures are the resi
 """
 from __future__ import annotations
 
-import inspect
 from typing import Optional
 
 import torch
@@ -13,6 +12,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .arch import Arch, decoder_layers
+from .cached_forward import cache_keyword
 from .offload import Offload
 from .observers import ChannelAbsMax, _AbsmaxRecordingLayer, stack_kv_stats
 from .walker import LayerSource, forward_context, record_linear_inputs, to_device, walk
@@ -44,7 +44,7 @@ def walked_kv_absmax(model: nn.Module, arch: Arch, batches: torch.Tensor, source
     stats: dict = {"k_absmax": {}, "v_absmax": {}}
 
     def on_layer(i, prefix, layer, inputs):
-        key = _cache_argument(layer)
+        key = cache_keyword(layer)  # a layer that ignores it is caught: stack_kv_stats names it
         with forward_context(inputs, device):
             for hidden, kwargs in zip(inputs.hidden, inputs.kwargs):
                 cache = Cache(layers=[_AbsmaxRecordingLayer(stats, j) for j in range(n_layers)])
@@ -54,8 +54,3 @@ def walked_kv_absmax(model: nn.Module, arch: Arch, batches: torch.Tensor, source
          final_outputs=False, source=source, offload=offload)
     return stack_kv_stats(stats, n_layers, model)
 
-
-def _cache_argument(layer: nn.Module) -> str:
-    """What the decoder layer calls its cache: `cache` in recent transformers, `past_key_values` before."""
-    params = inspect.signature(layer.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lowbit.calibrate.cached_forward import cached_forward
 from lowbit.quantize.runtime import kv_cache
 
 from .config import PerplexityProtocol
@@ -35,11 +36,9 @@ def measure_kv_cache(model: nn.Module, prompt_ids: torch.Tensor, decode_steps: i
     same tokens (formula with 2 bytes), the reference for the memory ratio.
     """
     device = next(model.parameters()).device
-    out = model(input_ids=prompt_ids.to(device), use_cache=True)
-    cache, next_id = out.cache, out.logits[:, -1:].argmax(-1)
+    out, cache = cached_forward(model, prompt_ids.to(device))
     for _ in range(decode_steps):
-        out = model(input_ids=next_id, cache=cache, use_cache=True)
-        cache, next_id = out.cache, out.logits[:, -1:].argmax(-1)
+        out, cache = cached_forward(model, out.logits[:, -1:].argmax(-1), cache)
     tokens = cache.get_seq_length() * prompt_ids.shape[0]
     measured = cache_nbytes(cache)
     bytes_16bit = kv_bytes_per_token_formula(model.config, 2) * tokens

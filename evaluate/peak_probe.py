@@ -39,28 +39,19 @@ def prefill_and_decode(model, ids: torch.Tensor, decode_tokens: int, chunk: int 
     """Prefill `ids` (batch, tokens) with the model's own cache (a quantized one where attached),
     `chunk` tokens per forward (all at once without), decode a few greedy tokens; return the bytes
     the cache holds at the end."""
-    from transformers import DynamicCache
+    from lowbit.calibrate.cached_forward import cached_forward
 
     from .kv_cache import cache_nbytes
-    from .speed import _forward_kwargs
+    from .speed import last_logits_only
 
-    cache_kw, keep = _forward_kwargs(model)
-    extra = {"logits_to_keep": 1} if keep else {}
-    cache = DynamicCache(config=model.config)  # a quantized KV cache replaces it where attached
+    extra, cache = last_logits_only(model), None  # the first forward makes the cache
     device = next(model.parameters()).device
     for start in range(0, ids.shape[1], chunk or ids.shape[1]):
         part = ids[:, start : start + (chunk or ids.shape[1])]
-        out = model(input_ids=part.to(device), use_cache=True, **{cache_kw: cache}, **extra)
-        cache = _cache_of(out)
+        out, cache = cached_forward(model, part.to(device), cache, **extra)
     for _ in range(decode_tokens):
-        out = model(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **{cache_kw: _cache_of(out)}, **extra)
-    return cache_nbytes(_cache_of(out))
-
-
-def _cache_of(output):
-    """The cache a forward returned (transformers 5 names it `cache`, older models past_key_values)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
+        out, cache = cached_forward(model, out.logits[:, -1:].argmax(-1), cache, **extra)
+    return cache_nbytes(cache)
 
 
 _HAS_PROC = Path("/proc/self/status").exists()

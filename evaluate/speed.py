@@ -1,7 +1,7 @@
 """Decode speed: prefill tokens/s, time to first token, time per output token, decode tokens/s,
 and achieved bandwidth beside the roofline bound (bandwidth measured in the same run).
 
-Greedy decoding with a DynamicCache from seeded random prompts (content does not change the
+Greedy decoding with the model's own cache from seeded random prompts (content does not change the
 work done); `warmup` discarded runs, then medians over `repeats` timed runs.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections import Counter
 
 import torch
 
+from lowbit.calibrate.cached_forward import cached_forward
 from lowbit.calibrate.hardware import cpu_info
 from lowbit.quantize.runtime.backends import prepare
 
@@ -25,32 +26,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _forward_kwargs(model) -> tuple[str, bool]:
-    """transformers 5 renamed past_key_values to cache; older/remote models keep the old name."""
-    params = inspect.signature(model.forward).parameters
-    return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
+def last_logits_only(model) -> dict:
+    """Forward kwargs that compute the logits of the last position only, where the model can."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 @torch.inference_mode()
 def timed_generation(model, prompts: torch.Tensor, new_tokens: int) -> dict:
-    """One greedy generation; seconds for the prefill (incl. first token) and each later step."""
-    from transformers import DynamicCache
-
+    """One greedy generation; seconds for the prefill (incl. first token) and each later step.
+    The prefill makes the model's own cache (a quantized one where attached); steps extend it."""
     device = next(model.parameters()).device
-    cache_kw, keep = _forward_kwargs(model)
-    extra = {"logits_to_keep": 1} if keep else {}
-    cache = DynamicCache(config=model.config)
+    extra = last_logits_only(model)
     prompts = prompts.to(device)
     _sync(device)
     start = time.perf_counter()
-    out = model(input_ids=prompts, use_cache=True, **{cache_kw: cache}, **extra)
+    out, cache = cached_forward(model, prompts, None, **extra)
     token = out.logits[:, -1:].argmax(-1)
     _sync(device)
     prefill = time.perf_counter() - start
     steps = []
     for _ in range(new_tokens - 1):
         start = time.perf_counter()
-        out = model(input_ids=token, use_cache=True, **{cache_kw: cache}, **extra)
+        out, cache = cached_forward(model, token, cache, **extra)
         token = out.logits[:, -1:].argmax(-1)
         _sync(device)
         steps.append(time.perf_counter() - start)

@@ -5,6 +5,7 @@ import torch
 import transformers as T
 from transformers import DynamicCache
 
+from lowbit.calibrate.cached_forward import cached_forward
 from lowbit.evaluate.kv_layout import LayerKV, kv_layers
 from lowbit.evaluate.memory import GIB, ModelShape, fit_table, kv_bytes_per_layer, kv_cache_bytes, predicted_total
 
@@ -100,7 +101,7 @@ def test_prediction_is_what_dynamic_cache_allocates_after_a_prefill_past_the_win
     model = model_class(config).eval()
     cache, tokens = DynamicCache(config=model.config), 20
     with torch.no_grad():
-        model(torch.randint(0, 128, (1, tokens)), cache=cache, use_cache=True)
+        cached_forward(model, torch.randint(0, 128, (1, tokens)), cache)
     held = [layer.keys.nbytes + layer.values.nbytes for layer in cache.layers]
     predicted = kv_bytes_per_layer(ModelShape.from_config(config), tokens, 4)  # float32
     for layer, got, want in zip(kv_layers(config), held, predicted):

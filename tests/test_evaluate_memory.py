@@ -21,15 +21,17 @@ def _cache_tensors_bytes(cache) -> int:
 def test_kv_formula_matches_dynamic_cache(tiny_llama, dtype, kv_bytes):
     from transformers import DynamicCache
 
+    from lowbit.calibrate.cached_forward import cached_forward
+
     model = tiny_llama.to(dtype)
     shape = ModelShape.from_config(model.config)
     cache = DynamicCache(config=model.config)
     batch, prompt, steps = 3, 17, 4
     with torch.no_grad():
-        out = model(torch.randint(3, 500, (batch, prompt)), cache=cache, use_cache=True)
+        out, _ = cached_forward(model, torch.randint(3, 500, (batch, prompt)), cache)
         for _ in range(steps):  # decode steps append one token each
             nxt = out.logits[:, -1:].argmax(-1)
-            out = model(nxt, cache=cache, use_cache=True)
+            out, _ = cached_forward(model, nxt, cache)
     assert cache.get_seq_length() == prompt + steps
     assert kv_cache_bytes(shape, prompt + steps, batch, kv_bytes) == _cache_tensors_bytes(cache)
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lowbit.calibrate.arch import arch_for
+from lowbit.calibrate.cached_forward import cached_forward, returned_cache
 from lowbit.calibrate.observers import cached_kv_absmax
 from lowbit.evaluate.kv_cache import kv_bytes_per_token_formula, measure_kv_cache
 from lowbit.quantize.runtime import kv_cache
@@ -65,7 +66,7 @@ def test_calibration_observes_the_keys_after_rope(tiny_llama):
     ids = _ids(3, 40)
     stats = cached_kv_absmax(tiny_llama, ids, micro_batch=2)
     with torch.no_grad():
-        cache = tiny_llama(input_ids=ids, use_cache=True).cache  # float cache: keys as attention stores them
+        _, cache = cached_forward(tiny_llama, ids)  # float cache: keys as attention stores them
     for i, layer in enumerate(cache.layers):
         assert torch.allclose(stats["k_absmax"][i], layer.keys.abs().amax(dim=(0, 2, 3)))
         assert torch.allclose(stats["v_absmax"][i], layer.values.abs().amax(dim=(0, 2, 3)))
@@ -90,12 +91,11 @@ def test_decoding_reads_quantized_storage_and_matches_one_forward(tiny_llama, sc
     ids = _ids(2, 20)
     with torch.no_grad():
         full = tiny_llama(input_ids=ids).logits
-        out = tiny_llama(input_ids=ids[:, :12])
-        steps = [out.logits[:, -1]]
+        out = tiny_llama(input_ids=ids[:, :12])  # a plain forward: the hook supplies the cache
+        cache, steps = returned_cache(out), [out.logits[:, -1]]
         for t in range(12, 19):
-            out = tiny_llama(input_ids=ids[:, t : t + 1], cache=out.cache)
+            out, cache = cached_forward(tiny_llama, ids[:, t : t + 1], cache)
             steps.append(out.logits[:, -1])
-    cache = out.cache
     assert isinstance(cache, kv_cache.QuantizedKVCache)
     assert cache.layers[0]._quantized_keys.codes.dtype == STORED[scheme]
     assert cache.layers[0].keys.numel() == 0  # nothing kept in float
@@ -109,7 +109,7 @@ def test_generation_matches_float_cache_within_tolerance(tiny_llama):
     ref = tiny_llama.generate(ids, **kw)
     _apply(tiny_llama, "int8", "head")
     got = tiny_llama.generate(ids, **kw)
-    assert isinstance(got.cache, kv_cache.QuantizedKVCache)
+    assert isinstance(returned_cache(got), kv_cache.QuantizedKVCache)
     assert torch.equal(got.sequences, ref.sequences)
     for a, b in zip(got.scores, ref.scores):
         assert (a - b).norm() / b.norm() < 0.05
@@ -120,7 +120,7 @@ def test_long_generation_stays_finite(tiny_llama, scheme, strategy):
     _apply(tiny_llama, scheme, strategy)
     out = tiny_llama.generate(_ids(1, 8), max_new_tokens=120, min_new_tokens=120, do_sample=False,
                               output_logits=True, return_dict_in_generate=True)  # raw logits: no -inf masks
-    assert out.cache.get_seq_length() == 127
+    assert returned_cache(out).get_seq_length() == 127
     assert all(torch.isfinite(s).all() for s in out.logits)
 
 
@@ -143,12 +143,26 @@ def test_recipe_composes_weight_step_with_kv_cache(tiny_llama):
         STEPS[step.name].apply(ctx, step.config)
     with torch.no_grad():
         out = tiny_llama(input_ids=_ids(1, 10))
-    assert isinstance(out.cache, kv_cache.QuantizedKVCache) and torch.isfinite(out.logits).all()
+    assert isinstance(returned_cache(out), kv_cache.QuantizedKVCache) and torch.isfinite(out.logits).all()
 
 
 def test_static_cache_without_calibration_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="k_scale"):
         kv_cache.QuantizedKVCache(tiny_llama, KVCacheConfig("int8", "tensor"))
+
+
+@torch.no_grad()
+def test_a_reset_cache_starts_afresh_and_is_never_cropped(tiny_llama):
+    # lowbit's own layer logic (transformers 5.17 has no BaseQuantizedLayer to inherit it from)
+    _apply(tiny_llama, "int8", "token")
+    ids = _ids(1, 10)
+    fresh = tiny_llama(input_ids=ids).logits
+    _, cache = cached_forward(tiny_llama, _ids(1, 6, seed=1))
+    assert cache.get_seq_length() == 6 and cache.nbytes() > 0 and not cache.is_croppable
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.nbytes() == 0
+    out, again = cached_forward(tiny_llama, ids, cache)  # nothing of the 6 earlier tokens is attended
+    assert again is cache and cache.get_seq_length() == 10 and torch.equal(out.logits, fresh)
 
 
 def test_perplexity_effect_runs_through_the_quantized_cache(tiny_tokenizer_dir):

@@ -55,8 +55,7 @@ def test_a_chunked_prefill_fills_the_same_cache_as_one_forward(tmp_path):
 def test_head_by_head_attention_over_a_chunked_prefill_is_sdpa_s(tmp_path):
     """The last chunk of a prefill attends over the cache with a mask: the case the lean runtime
     changes; its logits match transformers' SDPA path, with a float and with a quantized cache."""
-    from transformers import DynamicCache
-
+    from lowbit.calibrate.cached_forward import cached_forward
     from lowbit.quantize.grids.kv import KVCacheConfig
     from lowbit.quantize.runtime.kv_cache import attach
 
@@ -71,9 +70,8 @@ def test_head_by_head_attention_over_a_chunked_prefill_is_sdpa_s(tmp_path):
             if lean:
                 compact(model)
             with torch.no_grad():
-                cache = DynamicCache(config=model.config)
-                first = model(input_ids=ids[:, :32], use_cache=True, cache=cache)
-                logits.append(model(input_ids=ids[:, 32:], use_cache=True, cache=first.cache).logits)
+                _, cache = cached_forward(model, ids[:, :32])  # the model's own: quantized where attached
+                logits.append(cached_forward(model, ids[:, 32:], cache)[0].logits)
         assert torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
 

@@ -90,7 +90,7 @@ def _unpack_q4_1(b):
 
 def _pack_q5_0(w, q):
     q = q + 16
-    bits = (q >> 4) << torch.arange(32, dtype=torch.int64)  # weight j's 5th bit at bit j
+    bits = (q >> 4) << torch.arange(32, dtype=torch.int64, device=q.device)  # weight j's 5th bit at bit j
     qh = bits.to(torch.int64).sum(dim=1, keepdim=True).to(torch.int32)  # < 2**32: no overflow
     low = q & 0xF
     return _half_bytes(w.d), qh.contiguous().view(torch.uint8), _nibbles(low[:, :16], low[:, 16:])
@@ -99,7 +99,7 @@ def _pack_q5_0(w, q):
 def _unpack_q5_0(b):
     low, high = _split_nibbles(b[:, 6:])
     qh = b[:, 2:6].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    fifth = (qh >> torch.arange(32, dtype=torch.int64)) & 1
+    fifth = (qh >> torch.arange(32, dtype=torch.int64, device=qh.device)) & 1
     return torch.cat([low, high], dim=1) + (fifth << 4) - 16, {"d": _half(b[:, :2])}
 
 
@@ -139,7 +139,7 @@ def _unpack_q6_k(b):
     ql = b[:, :128].reshape(-1, 2, 2, 32).to(torch.int32)  # (block, half, byte group, 32)
     qh = b[:, 128:192].reshape(-1, 2, 1, 32).to(torch.int32)
     low = torch.stack([ql[:, :, 0] & 0xF, ql[:, :, 1] & 0xF, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], dim=2)
-    high = (qh >> torch.tensor([0, 2, 4, 6]).reshape(1, 1, 4, 1)) & 3
+    high = (qh >> torch.tensor([0, 2, 4, 6], device=qh.device).reshape(1, 1, 4, 1)) & 3
     levels = (low | (high << 4)).reshape(-1, 256) - 32
     scales = b[:, 192:208].contiguous().view(torch.int8).to(torch.int16)
     return levels, {"d": _half(b[:, 208:210]), "sub_scale": scales}

@@ -142,7 +142,7 @@ def pack_codes(codes_unsigned: torch.Tensor, bits: int) -> torch.Tensor:
     _check_pack_bits(bits)
     n = codes_unsigned.shape[-1]
     blocks = _pad_last(codes_unsigned.to(torch.int32), 32).unflatten(-1, (-1, 32))  # (..., B, 32)
-    words = torch.zeros(*blocks.shape[:-1], bits, dtype=torch.int32)  # (..., B, bits)
+    words = torch.zeros(*blocks.shape[:-1], bits, dtype=torch.int32, device=blocks.device)  # (..., B, bits)
     for i in range(32):
         word, offset = divmod(i * bits, 32)
         words[..., word] |= blocks[..., i] << offset  # int32 wraps: only the bit pattern matters
@@ -166,7 +166,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int, rows: int = 1024) -> t
 
 def _unpack_block(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     words = _pad_last(packed.to(torch.int32), bits).unflatten(-1, (-1, bits))  # (..., B, bits)
-    codes = torch.empty(*words.shape[:-1], 32, dtype=torch.int32)
+    codes = torch.empty(*words.shape[:-1], 32, dtype=torch.int32, device=words.device)
     for i in range(32):
         word, offset = divmod(i * bits, 32)
         low = min(bits, 32 - offset)  # bits of the code held by this word

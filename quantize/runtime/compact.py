@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.quantize.grids.integer import dequantize_codes, pack_codes, unpack_codes
+from lowbit.quantize.runtime.buffers import RuntimeModule
 from lowbit.quantize.runtime.qlinear import QuantLinear
 
 
@@ -38,8 +39,10 @@ def _blockwise(x: torch.Tensor, rows: int, widen, bias, block_rows: int = WEIGHT
     return torch.cat(parts, dim=-1)
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(RuntimeModule):
     """Integer codes packed as stored, 16-bit scales; dequantized per forward."""
+
+    FLOAT_CAST_BUFFERS = ("bias",)  # a float cast reaches the bias; scales keep their stored dtype
 
     def __init__(self, module: QuantLinear):
         super().__init__()

@@ -2,7 +2,8 @@
 
 Buffers (names kept for export): `weight` (out, in) float8, `weight_scale` float32 ((1, 1),
 (out, 1) or block grid), `input_scale` float32 scalar for static activations (None otherwise),
-`bias` float32 or None.
+`bias` in the compute dtype (float32 until a
+float cast, the one buffer a cast reaches: runtime/buffers.py) or None.
 
 Three paths give the same maths: on a GPU with FP8 tensor cores (CUDA capability >= 8.9: Ada,
 Hopper) `torch._scaled_mm` multiplies the FP8 codes directly; on an AVX-512 or AVX2 CPU, once
@@ -16,7 +17,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from lowbit.quantize.grids.fp8 import (
     ActivationMode,
@@ -30,36 +30,42 @@ from lowbit.quantize.grids.fp8 import (
     quantize_activation,
 )
 from lowbit.quantize.grids.linear import LinearScheme
+from lowbit.quantize.runtime.buffers import RuntimeModule, fill_buffers, one_device
 
 
-class FP8Linear(nn.Module):
+class FP8Linear(RuntimeModule):
     kernel = None  # a CPU kernel attached by quantize.backends.prepare(), else None
+    # a float dtype cast (model.to(torch.bfloat16)) reaches the bias only: the weight stays
+    # float8, its scale and the input scale float32 (FP8 bytes and their calibrated scales)
+    FLOAT_CAST_BUFFERS = ("bias",)
 
     def __init__(self, in_features: int, out_features: int, fmt: FP8Format, weight_strategy: WeightStrategy,
-                 activations: ActivationMode, bias: bool, scale_shape: tuple[int, int], block_size: int = 128):
+                 activations: ActivationMode, bias: bool, scale_shape: tuple[int, int], block_size: int = 128,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.fmt, self.weight_strategy, self.block_size = fmt, weight_strategy, block_size
         self.activations = activations
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=fp8_dtype(fmt)))
-        self.register_buffer("weight_scale", torch.ones(scale_shape))
-        self.register_buffer("input_scale", torch.ones(()) if activations == "static" else None)
-        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        on = {"device": device}
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=fp8_dtype(fmt), **on))
+        self.register_buffer("weight_scale", torch.ones(scale_shape, **on))
+        self.register_buffer("input_scale", torch.ones((), **on) if activations == "static" else None)
+        self.register_buffer("bias", torch.zeros(out_features, **on) if bias else None)
 
     @classmethod
     def from_weight(cls, fw: FP8Weight, bias: Optional[torch.Tensor], activations: ActivationMode,
                     input_scale: Optional[torch.Tensor] = None) -> "FP8Linear":
+        """An FP8Linear holding copies of fw's tensors and bias, on the device they are all on;
+        input_scale, a calibration statistic (the observers keep theirs on the CPU), joins them."""
         if (activations == "static") != (input_scale is not None):
             raise ValueError("an input_scale is required with static activations and only with them")
+        device = one_device("FP8Linear.from_weight", weight=fw.data, weight_scale=fw.scale, bias=bias)
         out, inp = fw.data.shape
-        m = cls(inp, out, fw.fmt, fw.strategy, activations, bias is not None, tuple(fw.scale.shape), fw.block_size)
-        m.weight.copy_(fw.data)
-        m.weight_scale.copy_(fw.scale)
+        m = cls(inp, out, fw.fmt, fw.strategy, activations, bias is not None, tuple(fw.scale.shape), fw.block_size,
+                device="meta")
         if input_scale is not None:
-            m.input_scale.copy_(input_scale.float().reshape(()))
-        if bias is not None:
-            m.bias = bias.detach().float().clone()
-        return m
+            input_scale = input_scale.reshape(()).to(device)
+        return fill_buffers(m, weight=fw.data, weight_scale=fw.scale, input_scale=input_scale, bias=bias)
 
     def fp8_weight(self) -> FP8Weight:
         return FP8Weight(self.weight, self.weight_scale, self.fmt, self.weight_strategy, self.block_size)

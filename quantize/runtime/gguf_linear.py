@@ -14,31 +14,37 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight
 from lowbit.quantize.grids.gguf_packing import pack, unpack
 from lowbit.quantize.grids.linear import LinearScheme
+from lowbit.quantize.runtime.buffers import RuntimeModule, fill_buffers, one_device
 
 
-class GGUFLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, scheme: GGUFScheme, bias: bool):
+class GGUFLinear(RuntimeModule):
+    # a float dtype cast (model.to(torch.bfloat16)) reaches the bias only; the block bytes are
+    # uint8 and stay so (the decoded weight is made again, in float32, after any move or cast)
+    FLOAT_CAST_BUFFERS = ("bias",)
+
+    def __init__(self, in_features: int, out_features: int, scheme: GGUFScheme, bias: bool,
+                 device: torch.device | str | None = None):
         super().__init__()
-        scheme.check_weight(torch.empty(0, in_features))
+        if in_features % scheme.block_size:  # the grid's message; its finiteness check needs data (none
+            scheme.check_weight(torch.empty(0, in_features))  # here, and a fake or meta tensor answers none)
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
         row_bytes = in_features // scheme.block_size * scheme.layout.type_size
-        self.register_buffer("weight", torch.zeros(out_features, row_bytes, dtype=torch.uint8))
-        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        self.register_buffer("weight", torch.zeros(out_features, row_bytes, dtype=torch.uint8, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         self._dense: Optional[torch.Tensor] = None
 
     @classmethod
     def from_weight(cls, gw: GGUFWeight, bias: Optional[torch.Tensor]) -> "GGUFLinear":
+        """A GGUFLinear holding gw's block bytes and a copy of bias, on the device they are all on."""
+        one_device("GGUFLinear.from_weight", levels=gw.levels, d=gw.d, dmin=gw.dmin, sub_scale=gw.sub_scale,
+                   sub_min=gw.sub_min, bias=bias)
         rows, cols = gw.levels.shape
-        m = cls(cols, rows, gw.scheme, bias is not None)
-        m.weight.copy_(pack(gw))
-        if bias is not None:
-            m.bias = bias.detach().float().clone()
-        return m
+        m = cls(cols, rows, gw.scheme, bias is not None, device="meta")
+        return fill_buffers(m, weight=pack(gw), bias=bias)
 
     def gguf_weight(self) -> GGUFWeight:
         return unpack(self.weight.cpu(), self.scheme)

@@ -17,16 +17,23 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicCache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, get_layer_types_and_kwargs
 
 from lowbit.calibrate.arch import Arch, arch_for, decoder_layers
+from lowbit.calibrate.cached_forward import CACHE_KEYWORDS, cache_keyword
 from lowbit.quantize.grids.kv import KVCacheConfig, dequantize_kv, quantize_kv
 
 SCALE_NAMES = ("k_scale", "v_scale")
 
 
-class QuantizedKVLayer(BaseQuantizedLayer):
-    """One layer's cache: appends quantized K/V and returns the whole dequantized history."""
+class QuantizedKVLayer(DynamicLayer):
+    """One layer's cache: appends quantized K/V and returns the whole dequantized history.
+
+    What transformers' BaseQuantizedLayer gives (newer 5.x only; 5.17 has none) is written out
+    here on DynamicLayer, so the layer is the same on every 5.x: the token count is kept apart from
+    the quantized store, the float `keys`/`values` stay empty, and it cannot be cropped."""
+
+    is_croppable = False
 
     def __init__(self, cfg: KVCacheConfig, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor]):
         super().__init__()
@@ -34,6 +41,8 @@ class QuantizedKVLayer(BaseQuantizedLayer):
             raise ValueError(f"KV strategy {cfg.strategy!r} needs calibrated k_scale/v_scale buffers "
                              "on the attention modules; run the kv_cache step first")
         self.cfg, self.k_scale, self.v_scale = cfg, k_scale, v_scale
+        self.cumulative_length = 0
+        self._quantized_keys = self._quantized_values = None
 
     def _quantize(self, tensor, scale=None):
         return quantize_kv(tensor, self.cfg, scale)
@@ -44,6 +53,15 @@ class QuantizedKVLayer(BaseQuantizedLayer):
     def lazy_initialization(self, key_states, value_states) -> None:
         super().lazy_initialization(key_states, value_states)  # empty self.keys / self.values
         self.dtype = key_states.dtype
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def reset(self) -> None:
+        """Empty, keeping the object: the next update quantizes from scratch."""
+        self.keys = self.values = None
+        self._quantized_keys = self._quantized_values = None
+        self.cumulative_length, self.is_initialized = 0, False
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -126,11 +144,12 @@ def _supply_cache(model, args, kwargs):
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = model.config.use_cache
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = next((kwargs[k] for k in CACHE_KEYWORDS if kwargs.get(k) is not None), None)
     if not use_cache or not (cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0)):
         return None
-    kwargs.pop("past_key_values", None)
-    kwargs["cache"] = QuantizedKVCache(model)
+    for keyword in CACHE_KEYWORDS:  # generate() passes the name its transformers release uses
+        kwargs.pop(keyword, None)
+    kwargs[cache_keyword(model)] = QuantizedKVCache(model)
     return args, kwargs
 
 

@@ -3,48 +3,49 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from lowbit.quantize.grids.inputs import InputQuant
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.grids.quantized_weight import QuantizedWeight
+from lowbit.quantize.runtime.buffers import RuntimeModule, fill_buffers, one_device
 from lowbit.quantize.runtime.int8_inputs import quantized_input_linear
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(RuntimeModule):
     """Holds integer codes and scales; the reference path dequantizes and runs a float matmul."""
 
     kernel = None  # a packed-weight matmul attached by quantize.backends.prepare(), else None
+    # a float dtype cast (model.to(torch.bfloat16)) reaches the bias only: codes stay int8,
+    # scales, zero points and the input scale float32, so the grid is the calibrated one
+    FLOAT_CAST_BUFFERS = ("bias",)
 
     def __init__(self, in_features: int, out_features: int, scheme: IntScheme, bias: bool,
-                 groups: int, act_order: bool = False, input_quant: InputQuant | None = None):
+                 groups: int, act_order: bool = False, input_quant: InputQuant | None = None,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
         self.input_quant = input_quant  # None: inputs stay float (weight-only quantization)
         rows = 1 if scheme.strategy == "tensor" else out_features
-        self.register_buffer("weight_codes", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("weight_scale", torch.ones(rows, groups))
-        self.register_buffer("weight_zero", None if scheme.symmetric else torch.zeros(rows, groups))
-        self.register_buffer("weight_g_idx", torch.zeros(in_features, dtype=torch.int32) if act_order else None)
-        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        on = {"device": device}
+        self.register_buffer("weight_codes", torch.zeros(out_features, in_features, dtype=torch.int8, **on))
+        self.register_buffer("weight_scale", torch.ones(rows, groups, **on))
+        self.register_buffer("weight_zero", None if scheme.symmetric else torch.zeros(rows, groups, **on))
+        self.register_buffer("weight_g_idx", torch.zeros(in_features, dtype=torch.int32, **on) if act_order else None)
+        self.register_buffer("bias", torch.zeros(out_features, **on) if bias else None)
         # static input quantization: the calibrated per-tensor scale (1,) float32, absmax / 127.5
         static = input_quant is not None and not input_quant.dynamic
-        self.register_buffer("input_scale", torch.ones(1) if static else None)
+        self.register_buffer("input_scale", torch.ones(1, **on) if static else None)
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None) -> "QuantLinear":
+        """A QuantLinear holding copies of qw's tensors and bias, on the device they are all on."""
+        one_device("QuantLinear.from_quantized", codes=qw.codes, scale=qw.scale, zero=qw.zero,
+                   g_idx=qw.g_idx, bias=bias)
         out, inp = qw.shape
-        m = cls(inp, out, qw.scheme, bias is not None, qw.scale.shape[1], qw.g_idx is not None)
-        m.weight_codes.copy_(qw.codes)
-        m.weight_scale = qw.scale.detach().float().clone()
-        if qw.zero is not None:
-            m.weight_zero = qw.zero.detach().float().clone()
-        if qw.g_idx is not None:
-            m.weight_g_idx = qw.g_idx.to(torch.int32).clone()
-        if bias is not None:
-            m.bias = bias.detach().float().clone()
-        return m
+        m = cls(inp, out, qw.scheme, bias is not None, qw.scale.shape[1], qw.g_idx is not None, device="meta")
+        return fill_buffers(m, weight_codes=qw.codes, weight_scale=qw.scale, weight_zero=qw.zero,
+                            weight_g_idx=qw.g_idx, bias=bias)
 
     def quantized_weight(self) -> QuantizedWeight:
         g_idx = None if self.weight_g_idx is None else self.weight_g_idx.long()

@@ -11,6 +11,7 @@ from lowbit.calibrate.messages import short_repr
 from lowbit.calibrate.progress import Progress
 from lowbit.quantize.grids.fp8 import ActivationMode, FP8Scheme, quantize_weight_fp8, scale_from_absmax
 from lowbit.quantize.grids.linear import LinearScheme
+from lowbit.quantize.runtime.buffers import on_device
 from lowbit.quantize.runtime.fp8_linear import FP8Linear
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.gptq import GPTQConfig
@@ -84,8 +85,8 @@ def _apply_gptq(ctx: StepContext, cfg: FP8Config, targets, input_scales: dict) -
         modules = {}
         for name, (fw, row_loss, frac, retries, seconds) in zip(members, result):
             module = layer.get_submodule(name)
-            new = FP8Linear.from_weight(fw, module.bias, cfg.activations, input_scales.get(f"{prefix}.{name}"))
-            modules[name] = new.to(module.weight.device)
+            modules[name] = FP8Linear.from_weight(on_device(fw, module.weight.device), module.bias, cfg.activations,
+                                                  input_scales.get(f"{prefix}.{name}"))
             stats[name] = linear_stats(row_loss, frac, retries, seconds)
         return modules
 

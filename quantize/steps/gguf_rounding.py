@@ -11,6 +11,7 @@ from lowbit.calibrate.arch import linear_weight
 from lowbit.calibrate.progress import Progress
 from lowbit.quantize.grids.gguf import GGUFScheme, quantize_gguf
 from lowbit.quantize.grids.gguf_plan import GGUFTypes, sixteen_bit_reason
+from lowbit.quantize.runtime.buffers import on_device
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.gptq_solver import gptq_solve_gguf
@@ -71,7 +72,7 @@ def install_layer_group(layer, parts: list, stats: dict) -> dict:
             row += w.shape[0]
             part = gw.row_slice(rows)
             w.copy_(part.dequantize().to(w.dtype))  # later groups see the quantized layer
-            solved[name] = GGUFLinear.from_weight(part, module.bias).to(w.device)
+            solved[name] = GGUFLinear.from_weight(on_device(part, w.device), module.bias)
             stats[name] = linear_stats(row_loss[rows], frac, retries, seconds)
     return solved
 

@@ -22,6 +22,7 @@ from lowbit.quantize.grids.int_plan import IntTypes
 from lowbit.quantize.grids.integer import IntScheme, check_group_size
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.grids.quantized_weight import QuantizedWeight, quantize_rtn
+from lowbit.quantize.runtime.buffers import on_device
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.steps import gguf_rounding, int_planning
 from lowbit.quantize.steps.context import StepContext
@@ -100,7 +101,7 @@ def _solve_all(ctx: StepContext, cfg: GPTQConfig, targets, schemes: dict[str, In
             for name, qw in _install_shared(layer, names, result, stats).items():
                 old = layer.get_submodule(name)
                 device = qw.codes.device if old.weight.is_meta else old.weight.device  # meta: let go by the solve
-                solved[name] = QuantLinear.from_quantized(qw, old.bias).to(device)
+                solved[name] = QuantLinear.from_quantized(on_device(qw, device), old.bias)
         return solved
 
     def solve(prefix, layer, members, hessian):

@@ -34,7 +34,8 @@ def enable_input_quant(module: QuantLinear, iq: InputQuant, absmax=None) -> None
     else:
         if absmax is None:
             raise ValueError("static input quantization needs the calibrated input absmax")
-        module.input_scale = static_scale_from_absmax(absmax.amax(), iq.qmax)
+        # the observers keep their statistics on the CPU; the scale joins the module's codes
+        module.input_scale = static_scale_from_absmax(absmax.amax(), iq.qmax).to(module.weight_codes.device)
 
 
 def apply(ctx: StepContext, cfg: InputQuantConfig) -> dict:
