@@ -3,6 +3,7 @@
     python bench/scale.py                       # perplexity at Llama-3-8B widths, 2 and 4 decoder layers
     python bench/scale.py --layers 2 4 8 --tokens 1024 --json
     python bench/scale.py --task rtn gptq --layers 4 8 --modes streamed --json   # calibrate + export
+    python bench/scale.py --moe --task gptq --modes streamed --samples 2 --json  # Qwen3-30B-A3B widths
 
 Each model (random weights, std 0.02, 128k vocabulary, untied head, the smollm2 tokenizer) is written
 once as bf16 safetensors shards under the lowbit cache (bench-models/). Each measurement runs in a
@@ -14,6 +15,9 @@ streamed one should not grow with the number of layers, the resident one's grows
 tokens) up to the written checkpoint, without its evaluation: peak RSS (and peak GPU memory with
 --device cuda), seconds, seconds per layer and the sha256 of model.safetensors, which the resident
 and the streamed run must share.
+`--moe` builds Qwen3-MoE models at Qwen3-30B-A3B widths instead (hidden 2048, 128 experts of
+inner width 768, top-8, 151,936-token vocabulary): a decoder layer holds 0.6 B expert parameters
+(2.4 GB in float32), every expert calibrated (calibration.moe: all_experts).
 """
 from __future__ import annotations
 
@@ -26,12 +30,16 @@ import time
 from pathlib import Path
 
 LLAMA3_8B = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
+QWEN3_30B_A3B = dict(hidden=2048, intermediate=6144, heads=32, kv_heads=4, vocab=151936, experts=128,
+                     expert_intermediate=768, top_k=8, head_dim=128)
 
 
 def model_folder(layers: int, widths: dict) -> Path:
     from lowbit.calibrate.cache import cache_dir
 
     name = "llama-{hidden}-{intermediate}-{heads}h{kv_heads}kv-{vocab}v".format(**widths) + f"-{layers}l"
+    if "experts" in widths:
+        name = "qwen3moe-{hidden}-{experts}x{expert_intermediate}-top{top_k}-{vocab}v".format(**widths) + f"-{layers}l"
     return cache_dir("bench-models") / name
 
 
@@ -45,11 +53,18 @@ def build_model(folder: Path, layers: int, widths: dict) -> Path:
     if (folder / "model.safetensors.index.json").is_file():
         return folder
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
-    config = LlamaConfig(hidden_size=widths["hidden"], intermediate_size=widths["intermediate"],
-                         num_hidden_layers=layers, num_attention_heads=widths["heads"],
-                         num_key_value_heads=widths["kv_heads"], vocab_size=widths["vocab"],
-                         max_position_embeddings=8192, tie_word_embeddings=False, initializer_range=0.02,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    common = dict(hidden_size=widths["hidden"], intermediate_size=widths["intermediate"],
+                  num_hidden_layers=layers, num_attention_heads=widths["heads"],
+                  num_key_value_heads=widths["kv_heads"], vocab_size=widths["vocab"],
+                  max_position_embeddings=8192, tie_word_embeddings=False, initializer_range=0.02,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    if "experts" in widths:
+        from transformers import Qwen3MoeConfig
+
+        config = Qwen3MoeConfig(**common, num_experts=widths["experts"], moe_intermediate_size=widths["expert_intermediate"],
+                                num_experts_per_tok=widths["top_k"], head_dim=widths["head_dim"], norm_topk_prob=True)
+    else:
+        config = LlamaConfig(**common)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # built in bf16: half the memory
     staging = folder.with_name(folder.name + ".partial")
@@ -156,6 +171,7 @@ def main() -> None:
                         help="ppl: the perplexity protocol; rtn, gptq: w4a16-<task> up to its checkpoint")
     parser.add_argument("--samples", type=int, default=8, help="calibration samples of 512 tokens (gptq)")
     parser.add_argument("--device", default="cpu", help="calibration device (rtn, gptq): cpu, cuda, cuda:N")
+    parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE at Qwen3-30B-A3B widths, not Llama-3-8B")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -167,10 +183,11 @@ def main() -> None:
         return
     rows = []
     for layers in args.layers:
-        folder = build_model(model_folder(layers, LLAMA3_8B), layers, LLAMA3_8B)
+        widths = QWEN3_30B_A3B if args.moe else LLAMA3_8B
+        folder = build_model(model_folder(layers, widths), layers, widths)
         for task in args.task:
             for mode in args.modes:
-                row = {"layers": layers, "float32_weights_gib": weight_gib(folder, 4), "task": task,
+                row = {"layers": layers, "model": "qwen3-moe" if args.moe else "llama", "float32_weights_gib": weight_gib(folder, 4), "task": task,
                        **in_fresh_process(mode, folder, args.tokens, task, args.samples, args.device)}
                 rows.append(row)
                 print(describe(row), flush=True)

@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .experts import expert_count
+
 
 @dataclass(frozen=True)
 class SmoothPair:
@@ -91,6 +93,37 @@ _GPT2 = Arch(  # Conv1D layers: weights stored (in, out)
     smooth=(SmoothPair("ln_1", ("attn.c_attn",)), SmoothPair("ln_2", ("mlp.c_fc",))),
 )
 
+# mixtures of experts (calibrate/experts.py turns fused experts into per-expert linears): "{e}" in a
+# name stands for each expert index; names a layer lacks (a dense first layer's experts, a sparse
+# layer's dense MLP) are skipped there, and the audit's parameter count catches anything left float.
+# Routers (`mlp.gate`, Qwen2-MoE's `shared_expert_gate`) stay float on purpose.
+_EXPERTS = (("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"), ("mlp.experts.{e}.down_proj",))
+_DENSE_MLP = (("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
+def _moe_groups(attention, shared: str = "") -> tuple[tuple[str, ...], ...]:
+    """Attention groups, then gate/up of the dense MLP, the experts and a shared expert (one input),
+    then their down projections."""
+    extra = ((f"{shared}.gate_proj", f"{shared}.up_proj"), (f"{shared}.down_proj",)) if shared else ((), ())
+    return (*attention, *(d + x + s for d, x, s in zip(_DENSE_MLP, _EXPERTS, extra)))
+
+
+_MOE = Arch(
+    layers="model.layers",
+    groups=_moe_groups((_QKV, ("self_attn.o_proj",))),
+    smooth=(SmoothPair("input_layernorm", _QKV), SmoothPair("self_attn.v_proj", ("self_attn.o_proj",))),
+    k_proj="self_attn.k_proj",
+    v_proj="self_attn.v_proj",
+)
+# DeepSeek-V3's multi-head latent attention: q (or its low-rank q_a) and the joint kv_a read the
+# hidden state; q_b and kv_b read their normed latents; no per-head k/v projection to scale
+_MLA_INPUT = ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")
+_DEEPSEEK_V3 = Arch(
+    layers="model.layers",
+    groups=_moe_groups((_MLA_INPUT, ("self_attn.q_b_proj",), ("self_attn.kv_b_proj",), ("self_attn.o_proj",)),
+                       shared="mlp.shared_experts"),
+)
+
 ARCHS: dict[str, Arch] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
@@ -102,6 +135,11 @@ ARCHS: dict[str, Arch] = {
     "phi3": _PHI3,
     "opt": _OPT,
     "gpt2": _GPT2,
+    "qwen3_moe": _MOE,
+    "mixtral": _MOE,
+    "olmoe": _MOE,
+    "qwen2_moe": replace(_MOE, groups=_moe_groups((_QKV, ("self_attn.o_proj",)), shared="mlp.shared_expert")),
+    "deepseek_v3": _DEEPSEEK_V3,
 }
 
 
@@ -123,12 +161,22 @@ def arch_for(model: nn.Module, allow_fallback: bool = True) -> Arch:
     """The table row for model.config.model_type, or a guessed layout with a warning."""
     model_type = getattr(model.config, "model_type", None)
     if model_type in ARCHS:
-        return ARCHS[model_type]
+        return with_experts(ARCHS[model_type], expert_count(model, ARCHS[model_type].layers))
     if not allow_fallback:
         raise ValueError(
             f"architecture {model_type!r} is not in lowbit's table; known: {sorted(ARCHS)}"
         )
     return _fallback_arch(model, model_type)
+
+
+def with_experts(arch: Arch, experts: int) -> Arch:
+    """The row with each "{e}" name written out once per expert index (none for a dense model)."""
+    if not any("{e}" in n for n in arch.linears):
+        return arch
+    groups = tuple(tuple(n for n in group if "{e}" not in n)
+                   + tuple(n.format(e=e) for e in range(experts) for n in group if "{e}" in n)
+                   for group in arch.groups)
+    return replace(arch, groups=tuple(g for g in groups if g))
 
 
 def _fallback_arch(model: nn.Module, model_type) -> Arch:
@@ -160,8 +208,10 @@ def target_linears(model: nn.Module, arch: Arch) -> dict[str, nn.Module]:
     """Full module name -> linear module, for every linear the table targets, in layer order."""
     out = {}
     for i, layer in enumerate(decoder_layers(model, arch)):
+        modules = dict(layer.named_modules())
         for name in arch.linears:
-            out[f"{arch.layers}.{i}.{name}"] = layer.get_submodule(name)
+            if name in modules:  # a mixture's dense layers lack its experts, its sparse ones the dense MLP
+                out[f"{arch.layers}.{i}.{name}"] = modules[name]
     return out
 
 

@@ -9,6 +9,7 @@ from typing import Literal, Optional
 import torch
 
 from .corpora import CORPORA, corpus_text
+from .experts import MOE_MODES, ExpertCalibration
 from .messages import short_repr
 
 
@@ -30,6 +31,11 @@ class CalibrationConfig:
     # where the activations wait between decoder layers (calibrate/offload.py): auto (the device when
     # they fit there, else CPU memory, else disk), device, cpu, or disk (files in the run's resume folder)
     offload: Literal["auto", "device", "cpu", "disk"] = "auto"
+    # mixtures of experts (calibrate/experts.py): what each expert's statistics see, every token of its
+    # layer (all_experts) or those the router sends it (routed); the layer's output follows the router
+    moe: Literal["all_experts", "routed"] = "all_experts"
+    # a routed expert that fewer calibration tokens reached is rounded to nearest, and named
+    moe_min_tokens: int = 16
 
     def __post_init__(self):
         from .hardware import check_device_name
@@ -39,9 +45,16 @@ class CalibrationConfig:
         if self.offload not in OFFLOADS:
             raise ValueError(f"calibration.offload must be one of {', '.join(OFFLOADS)}, "
                              f"got {short_repr(self.offload)}")
+        if self.moe not in MOE_MODES:
+            raise ValueError(f"calibration.moe must be one of {', '.join(MOE_MODES)}, got {short_repr(self.moe)}")
+        if isinstance(self.moe_min_tokens, bool) or not isinstance(self.moe_min_tokens, int) or self.moe_min_tokens < 0:
+            raise ValueError(f"calibration.moe_min_tokens must be a whole number >= 0, got {short_repr(self.moe_min_tokens)}")
         if self.samples < 1 or self.seq_len < 2:
             raise ValueError(f"calibration needs samples >= 1 and seq_len >= 2, got samples {self.samples} "
                              f"and seq_len {self.seq_len}")
+
+    def experts(self) -> ExpertCalibration:
+        return ExpertCalibration(self.moe, self.moe_min_tokens)
 
 
 def load_text(dataset: str, part: str = "calib", split: str = "train",

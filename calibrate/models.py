@@ -19,6 +19,7 @@ import torch
 
 from .cache import cache_dir
 from .checks import check_model_folder, check_tensors_match
+from .experts import unfuse_experts
 from .model_config import check_model_source
 
 
@@ -134,6 +135,7 @@ def load_model(name: str, dtype: torch.dtype = DEFAULT_DTYPE, trust_remote_code:
         raise ValueError(f"{path}: pickle-based weights hold objects other than tensors; refused even "
                          f"with allow_pickle (loaded with weights_only=True): {str(err)[:300]}") from None
     check_tensors_match(path, info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"])
+    unfuse_experts(model)  # every expert a linear lowbit can calibrate, quantize and name
     model.eval()
     return model, tokenizer, time.perf_counter() - start
 

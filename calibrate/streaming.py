@@ -16,6 +16,7 @@ float32, 0.44 GB in bf16) plus what the caller keeps between layers, instead of 
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from .checks import SAFE_INDEX, check_tensors_match, read_index, safetensors_files
+from .experts import module_name, unfuse_experts
 from .hardware import return_freed_memory
 
 # tensors older checkpoints store that models now compute (transformers skips them on load too)
@@ -37,7 +39,11 @@ class ShardedWeights:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
-        self.shard_of = self._tensor_shards()
+        # tensors go by the names lowbit's modules hold (a Mixtral's stored `block_sparse_moe.experts.3.w1`
+        # is `mlp.experts.3.gate_proj`: calibrate/experts.py)
+        stored, model_type = self._tensor_shards(), stored_model_type(self.folder)
+        self.stored_as = {module_name(model_type, n): n for n in stored}
+        self.shard_of = {n: stored[s] for n, s in self.stored_as.items()}
 
     def _tensor_shards(self) -> dict[str, str]:
         """Tensor name -> file, from the index where there is one, else from each file's header."""
@@ -46,11 +52,12 @@ class ShardedWeights:
             raise FileNotFoundError(f"{self.folder}: streaming reads safetensors weights, and there is "
                                     f"neither model.safetensors nor {SAFE_INDEX}")
         if (self.folder / SAFE_INDEX).is_file():
-            return dict(read_index(self.folder))
-        shard_of = {}
-        for path in files:
-            with open_shard(path) as handle:
-                shard_of.update({name: path.name for name in handle.keys()})
+            shard_of = dict(read_index(self.folder))
+        else:
+            shard_of = {}
+            for path in files:
+                with open_shard(path) as handle:
+                    shard_of.update({name: path.name for name in handle.keys()})
         return shard_of
 
     def numel(self) -> int:
@@ -59,10 +66,11 @@ class ShardedWeights:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Each tensor's shape, from the shards' headers (nothing is read)."""
-        shapes = {}
+        shapes, module_of = {}, {stored: name for name, stored in self.stored_as.items()}
         for shard in sorted(set(self.shard_of.values())):
             with open_shard(self.folder / shard) as handle:
-                shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})
+                shapes.update({module_of.get(name, name): tuple(handle.get_slice(name).get_shape())
+                               for name in handle.keys()})
         return shapes
 
     def __contains__(self, name: str) -> bool:
@@ -80,7 +88,7 @@ class ShardedWeights:
         tensors = {}
         for name in names:
             with open_shard(self.folder / self.shard_of[name]) as handle:
-                tensors[name] = _cast(handle.get_tensor(name), dtype, device)
+                tensors[name] = _cast(handle.get_tensor(self.stored_as[name]), dtype, device)
         return tensors
 
     def load_rows(self, name: str, rows: list[int], dtype: Optional[torch.dtype] = None, device=None) -> torch.Tensor:
@@ -92,8 +100,16 @@ class ShardedWeights:
                 runs.append((rows[start], rows[k - 1] + 1))
                 start = k
         with open_shard(self.folder / self.shard_of[name]) as handle:
-            whole = handle.get_slice(name)
+            whole = handle.get_slice(self.stored_as[name])
             return torch.cat([_cast(whole[a:b], dtype, device) for a, b in runs])
+
+
+def stored_model_type(folder: Path) -> Optional[str]:
+    """config.json's model_type, where the folder has a readable one."""
+    try:
+        return json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 @contextmanager
@@ -123,6 +139,7 @@ def empty_model(path: str | Path, dtype: torch.dtype = torch.float32, trust_remo
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    unfuse_experts(model)  # per-expert linears, as the resident model holds them
     model.tie_weights()  # not done on meta parameters; the streamed model must share them as loaded
     if (Path(path) / "generation_config.json").is_file():  # from_pretrained reads it; from_config does not
         from transformers import GenerationConfig

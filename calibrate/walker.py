@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .arch import Arch, decoder_layers
+from .experts import recording
 from .offload import Offload
 from .progress import Progress
 
@@ -204,36 +205,41 @@ def record_linear_inputs(layer: nn.Module, names: list[str], inputs: LayerInputs
 
     Padded tokens are left out. Linears that receive the same tensor in one forward (q/k/v,
     gate/up) are handed the same x2d object, so a caller can accumulate statistics once. The
-    forward stops as soon as every named linear has been seen.
+    forward stops as soon as every named linear has been seen. A routed expert may see no token
+    (calibrate/experts.py: its linears get unpadded tokens already, and fn is never called for it).
     """
+    modules = {n: layer.get_submodule(n) for n in names}
+    routed = {n for n, m in modules.items() if getattr(m, "inputs_masked", False)}
     wanted = set(names)
     for hidden, kwargs, mask in zip(inputs.hidden, inputs.kwargs, _masks(inputs)):
         seen: set[str] = set()
         flat: dict[int, tuple] = {}  # id(x) -> (x, x2d); holding x keeps its id from being reused
 
         def make_hook(name: str):
+            as_given = mask is None or name in routed
+
             def hook(module, args):
                 x = args[0]
                 if id(x) not in flat:
                     x2d = x.reshape(-1, x.shape[-1])
-                    flat[id(x)] = (x, x2d if mask is None else x2d[mask.reshape(-1).to(x.device)])
+                    flat[id(x)] = (x, x2d if as_given else x2d[mask.reshape(-1).to(x.device)])
                 fn(name, flat[id(x)][1])
                 seen.add(name)
                 if seen >= wanted:
                     raise _StopForward
             return hook
 
-        handles = [layer.get_submodule(n).register_forward_pre_hook(make_hook(n)) for n in names]
+        handles = [modules[n].register_forward_pre_hook(make_hook(n)) for n in names]
         try:
-            with forward_context(inputs, device):
+            with forward_context(inputs, device), recording(mask):
                 layer(to_device(hidden, device), **to_device(kwargs, device))
         except _StopForward:
             pass
         finally:
             for handle in handles:
                 handle.remove()
-        if seen != wanted:
-            raise RuntimeError(f"linears {sorted(wanted - seen)} were never called in the layer's "
+        if not wanted - routed <= seen:
+            raise RuntimeError(f"linears {sorted(wanted - routed - seen)} were never called in the layer's "
                                "forward; check the architecture table's group names")
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from lowbit.export.manifest import write_text_atomic
+from lowbit.quantize.audit import layer_records
 
 from .plots import budget_plot, layer_error_plot, tradeoff_plot
 from .report_data import rows_for
@@ -85,6 +86,24 @@ def lm_eval_table(rows) -> tuple[list[str], list[list[str]]]:
     return head, body
 
 
+def expert_table(rows) -> tuple[list[str], list[list[str]]]:
+    """Per run and mixture-of-experts layer: the tokens the router sent its experts (fewest, median,
+    most) and the expert linears solved without their own statistics."""
+    head = ["run", "step", "layer", "experts", "routed tokens min / median / max", "fallback experts"]
+    body = []
+    for row in rows:
+        for step in row.get("steps") or []:
+            for layer in layer_records(step):
+                for experts, counts in (layer.get("routed_tokens") or {}).items():
+                    ranked = sorted(counts)
+                    fallbacks = sorted({int(n.removeprefix(experts + ".").split(".")[0])
+                                        for n in layer.get("expert_fallbacks") or {} if n.startswith(experts + ".")})
+                    body.append([row["label"], step.get("name", "?"), experts, str(len(counts)),
+                                 f"{ranked[0]} / {ranked[len(ranked) // 2]} / {ranked[-1]}",
+                                 ", ".join(map(str, fallbacks)) or "none"])
+    return head, body
+
+
 def _md_table(head, body) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
@@ -130,6 +149,7 @@ def build_sections(rows, notes) -> list[tuple[str, tuple | None, bytes | None, s
     budget = budget_plot(rows)
     plans = plan_table(rows)
     lm = lm_eval_table(rows)
+    experts = expert_table(rows)
     bw = sorted({f"{r['bandwidth_gbs']:.1f}" for r in rows if r.get("bandwidth_gbs")})
     speed_note = (f"Read bandwidth measured in the same run: {', '.join(bw)} GB/s; roofline tok/s = batch x "
                   "bandwidth / bytes read per decode step (weights + KV). Wall-clock medians; noisy on a "
@@ -156,6 +176,10 @@ def build_sections(rows, notes) -> list[tuple[str, tuple | None, bytes | None, s
           "memory is weights + KV cache + chunked-prefill workspace, measured on the memory-lean CPU runtime "
           "at the budget's context.") if plans[1] else "No lowbit fit plans among these runs."),
         ("lm-eval", lm if lm[1] else None, None, "" if lm[1] else "No lm-eval tasks were run."),
+        *([("Mixture of experts: calibration tokens per expert", experts, None,
+            "Routed tokens: what the router sent each expert (under calibration.moe: all_experts every expert's "
+            "statistics see all of its layer's tokens all the same). A fallback expert saw fewer than "
+            "calibration.moe_min_tokens and was rounded to nearest.")] if experts[1] else []),
         ("Per-layer error", None, layers,
          "" if layers else "No step recorded per-layer errors (RTN does not; GPTQ-like steps do)."),
     ]

@@ -35,6 +35,8 @@ class ModelInfo:
     dtype: str  # the dtype the (unquantized) model's quality and speed ran in, e.g. "float32"
     reference: Optional[str] = None  # the unquantized model compared against (KL, baseline); None: none
     params: Optional[int] = None  # unique parameters of the unquantized model (run only: it was loaded)
+    # a mixture of experts: those one token runs through (its router's top-k experts of each layer)
+    active_params_per_token: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from collections import Counter
 import torch
 
 from lowbit.calibrate.cached_forward import cached_forward
+from lowbit.calibrate.experts import ExpertLinears
 from lowbit.calibrate.hardware import cpu_info
 from lowbit.quantize.runtime.backends import prepare
 
@@ -70,13 +71,27 @@ def measure_bandwidth(device: torch.device, size_bytes: int = 256 * 2**20, repea
 
 def decode_step_bytes(model, batch: int, context: int) -> int:
     """Bytes one decode step must read: every weight (codes at their bit width, scales, floats;
-    the input embedding only when tied to the output, since a lookup reads one row) plus the KV
-    cache so far. Independent of the kernel that runs: the roofline of any of them."""
+    the input embedding only when tied to the output, since a lookup reads one row; of a mixture's
+    routed experts only those the batch's tokens pick) plus the KV cache so far. Independent of the
+    kernel that runs: the roofline of any of them."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and getattr(head, "weight", None) is emb.weight
-    weights = packed_tensor_bytes(model, exclude=() if tied else (emb.weight,))
+    weights = packed_tensor_bytes(model, exclude=() if tied else (emb.weight,)) - idle_expert_bytes(model, batch)
     kv_elem = next(model.parameters()).element_size()
     return weights + kv_cache_bytes(ModelShape.from_config(model.config), context, batch, kv_elem)
+
+
+def idle_expert_bytes(model, batch: int) -> int:
+    """Expected bytes of the routed experts no token of a decode step picks: with top-k of E experts
+    per token, and tokens routed independently and evenly, an expert is read with probability
+    1 - (1 - k/E)^batch (k/E at batch 1: 8 of 128 experts for Qwen3-30B-A3B)."""
+    top_k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
+    idle = 0.0
+    for module in model.modules():
+        if isinstance(module, ExpertLinears) and top_k:
+            read = 1 - (1 - min(top_k, len(module)) / len(module)) ** batch
+            idle += (1 - read) * packed_tensor_bytes(module)
+    return int(idle)
 
 
 def speed_at_batch(model, cfg: SpeedConfig, batch: int, bandwidth: float, seed: int = 0) -> dict:

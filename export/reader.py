@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from lowbit.calibrate.checks import check_tensors_match
+from lowbit.calibrate.experts import module_name, split_stored_experts, unfuse_experts
 from lowbit.calibrate.model_config import check_model_source
 from lowbit.quantize.runtime.modules import is_quantized_linear
 
@@ -35,8 +36,11 @@ def load(folder: str | Path, dtype: torch.dtype = torch.float32, trust_remote_co
         del config.quantization_config  # we build the runtime modules ourselves
     with no_init_weights():  # every tensor is overwritten from the file; skip random init
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
+    unfuse_experts(model)  # lowbit writes experts under the hub's per-expert names
     fmt = format_of(config_dict)
     tensors = fmt.read_tensors(folder, model) if fmt is not None else read_tensors(folder)
+    tensors = {module_name(config.model_type, k): t for k, t in tensors.items()}  # the hub's expert names
+    tensors = split_stored_experts(model, tensors)
     _install_quantized(model, tensors, config_dict, f"{folder}/config.json")
     kv_scales.restore(model, config.to_dict(), tensors)
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}

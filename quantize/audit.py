@@ -45,6 +45,7 @@ class AuditReport:
     ignored: dict[str, str] = field(default_factory=dict)  # linear left float -> why
     problems: list[str] = field(default_factory=list)  # "<module>: <what is wrong>"
     damping: list[str] = field(default_factory=list)  # layers whose Hessian needed extra damping
+    fallbacks: list[str] = field(default_factory=list)  # experts solved without their own statistics
     kv: Optional[str] = None  # the KV-cache scheme checked, if any
     matrices: MatrixCount = field(default_factory=MatrixCount)  # decoder-layer matrix parameters
     integrity: Optional[str] = None  # a written checkpoint's files against manifest.json
@@ -62,6 +63,8 @@ class AuditReport:
                "ignored": dict(self.ignored), "kv_cache": self.kv, "problems": list(self.problems),
                "damping": list(self.damping), "quantized_share": None if share is None else round(share, 6),
                "decoder_matrix_params": {"quantized": self.matrices.quantized, "float": self.matrices.float}}
+        if self.fallbacks:
+            out["expert_fallbacks"] = list(self.fallbacks)
         return out if self.integrity is None else {**out, "integrity": self.integrity}
 
     def headline(self) -> str:
@@ -77,6 +80,7 @@ class AuditReport:
         out += [f"{n:4d}  {scheme}" for scheme, n in self.counts().items()]
         out += [f"float     {name}: {why}" for name, why in self.ignored.items()]
         out += [f"damping   {note}" for note in self.damping]
+        out += [f"fallback  {note}" for note in self.fallbacks]
         out += [f"PROBLEM   {p}" for p in self.problems]
         return out
 
@@ -278,6 +282,20 @@ def planned_targets(model: nn.Module, arch: Arch, ignore: tuple[str, ...]) -> tu
         else:
             ignored[name] = f"matches the recipe's ignore pattern {pattern!r}"
     return targeted, ignored
+
+
+def fallback_notes(steps: list[dict]) -> list[str]:
+    """Experts a step solved without their own calibration statistics (too few tokens reached them),
+    from the steps' layer records (`expert_fallbacks`)."""
+    return [f"{name}: {why}" for step in steps for layer in layer_records(step)
+            for name, why in (layer.get("expert_fallbacks") or {}).items()]
+
+
+def layer_records(step: dict) -> list[dict]:
+    """A layer walk's per-layer records in a step's results (other steps keep other things under
+    "layers": a count, names)."""
+    layers = step.get("layers")
+    return [r for r in layers if isinstance(r, dict)] if isinstance(layers, list) else []
 
 
 def damping_notes(steps: list[dict]) -> list[str]:

@@ -16,8 +16,8 @@ from lowbit.calibrate.arch import Arch, matches_name
 from lowbit.quantize.runtime.modules import is_quantized_linear
 
 # transformers 5.x names the module beside `experts` that picks them `gate` (Qwen3-MoE, Mixtral,
-# DeepSeek, ...) or `router` (gpt-oss, ...): small matrices kept float on purpose
-ROUTERS = ("gate", "router")
+# DeepSeek, ...) or `router` (gpt-oss, ...), and Qwen2-MoE gates its shared expert: small matrices kept float on purpose
+ROUTERS = ("gate", "router", "shared_expert_gate")
 ROUTER_KEPT = "router: kept float"
 
 

@@ -15,12 +15,13 @@ import torch
 import yaml
 from torch import nn
 
+from lowbit.calibrate.experts import unfuse_experts
 from lowbit.calibrate.arch import Arch, arch_for, is_linear, matches_name
 from lowbit.export import checkpoint, kv_scales
 from lowbit.export.manifest import MANIFEST
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.steps.registry import STEPS
-from lowbit.quantize.audit import AuditReport, audit_model, damping_notes, planned_targets
+from lowbit.quantize.audit import AuditReport, audit_model, damping_notes, fallback_notes, planned_targets
 from lowbit.quantize.runtime.modules import is_quantized_linear
 from lowbit.quantize.grids.kv import KVCacheConfig
 from lowbit.quantize.grids.integer import IntScheme
@@ -91,8 +92,10 @@ def _per_linear_int(types: IntTypes, targeted, ignored: dict) -> dict:
 def audit_run(model: nn.Module, recipe: Recipe, arch: Arch, steps: list[dict]) -> AuditReport:
     """Audit the model a run has just quantized; scales are judged in the export dtype."""
     expected, ignored, kv = expected_schemes(recipe, model, arch)
-    return audit_model(model, expected, ignored, kv, arch, storage_dtype=getattr(torch, recipe.export.dtype),
-                       damping=tuple(damping_notes(steps)), ignore=recipe.ignore)
+    report = audit_model(model, expected, ignored, kv, arch, storage_dtype=getattr(torch, recipe.export.dtype),
+                         damping=tuple(damping_notes(steps)), ignore=recipe.ignore)
+    report.fallbacks = fallback_notes(steps)
+    return report
 
 
 def audit_checkpoint(folder: str | Path, trust_remote_code: bool = False) -> AuditReport:
@@ -159,6 +162,7 @@ def _audit_loaded(folder: Path, model: nn.Module, config: dict) -> AuditReport:
         saved = config.get(kv_scales.KEY)
         kv = KVCacheConfig.from_file(saved) if saved else None
     report = audit_model(model, expected, ignored, kv, arch, damping=tuple(damping_notes(steps)), ignore=ignore)
+    report.fallbacks = fallback_notes(steps)
     report.problems += extra
     return report
 
@@ -171,7 +175,9 @@ def native_arch(model: nn.Module) -> Arch:
         return arch_for(model, allow_fallback=False)
     except ValueError:
         with torch.device("meta"):
-            return arch_for(type(model)(model.config))
+            skeleton = type(model)(model.config)
+            unfuse_experts(skeleton)
+            return arch_for(skeleton)
 
 
 def _load(folder: Path, trust_remote_code: bool) -> nn.Module:

@@ -23,7 +23,6 @@ from lowbit.calibrate.distributed import broadcast_json, close, init_from_env, l
 from lowbit.calibrate.hardware import resolve_device
 from lowbit.calibrate.models import load_model
 from lowbit.quantize.steps.context import StepContext
-from lowbit.quantize.steps.registry import STEPS
 
 PEER_EXIT = 3  # a rank's exit code when a collective failed under it: another rank is the cause
 
@@ -109,7 +108,7 @@ def report_crash(err: BaseException) -> None:
 def calibrate_only(recipe) -> dict:
     """What a rank other than 0 runs: load, then each step with rank 0 (run.quantize_and_export's
     collectives, in its order), unless rank 0 says the checkpoint is already exported."""
-    from .run import _batches, timer  # run imports this module lazily
+    from .run import _batches, apply_step, timer  # run imports this module lazily
 
     if not broadcast_json(None, 0):  # rank 0: False when resuming an exported checkpoint
         return {}
@@ -119,5 +118,5 @@ def calibrate_only(recipe) -> dict:
     ctx = StepContext(model, arch_for(model), recipe.ignore, lambda: _batches(recipe, tokenizer, timed),
                       device=resolve_device(recipe.calibration.device))
     for step in recipe.steps:
-        STEPS[step.name].apply(ctx, step.config)
+        apply_step(recipe, ctx, step)
     return {}

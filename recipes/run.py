@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import yaml
 
+from lowbit.calibrate.experts import active_params, calibrating
 from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.data import calibration_batches
 from lowbit.calibrate.distributed import SHARE_UNIT, broadcast_json, sample_share, world
@@ -37,7 +38,7 @@ from lowbit.export.model_card import write_model_card
 from lowbit.recipes.gguf_defaults import export_config
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
-from lowbit.quantize.audit import damping_notes
+from lowbit.quantize.audit import damping_notes, fallback_notes
 
 from .audit import audit_run, expected_schemes
 from .lock import output_lock
@@ -161,6 +162,7 @@ def quantize_and_export_streamed(recipe: Recipe, progress: RunProgress, folder: 
     seconds["quantize_s"] = seconds.get("quantize_s", 0.0) - seconds.get("calibrate_s", 0.0)
     audit = PortionAudit(expected, ignored, kv, arch, getattr(torch, recipe.export.dtype), tuple(damping_notes(steps)),
                          recipe.ignore)
+    audit.report.fallbacks = fallback_notes(steps)
     with timed("export_s"):
         save_streamed(model, tokenizer, progress.new_checkpoint(), export_config(recipe, model), arch, layers,
                       extra_files=model_code(recipe.model, recipe.trust_remote_code), check=audit)
@@ -173,8 +175,10 @@ def quantize_and_export_streamed(recipe: Recipe, progress: RunProgress, folder: 
 def model_info(recipe: Recipe, model) -> dict:
     """results.json's model facts: unique parameters (meta ones count too) and what the baseline's
     quality and speed ran in."""
-    return {"id": recipe.model, "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+    info = {"id": recipe.model, "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
             "model_type": model.config.model_type, "dtype": str(model.dtype).removeprefix("torch.")}
+    active = active_params(model)
+    return info if active == info["params"] else {**info, "active_params_per_token": active}
 
 
 def apply_steps(recipe: Recipe, ctx: StepContext, progress: RunProgress, timed) -> list[dict]:
@@ -185,9 +189,15 @@ def apply_steps(recipe: Recipe, ctx: StepContext, progress: RunProgress, timed) 
         ctx.layer_store = progress.step(index) if world().size == 1 else None
         start = time.perf_counter()
         with timed("quantize_s"):
-            detail = STEPS[step.name].apply(ctx, step.config)
+            detail = apply_step(recipe, ctx, step)
         steps.append({"name": step.name, "seconds": time.perf_counter() - start, **detail})
     return steps
+
+
+def apply_step(recipe: Recipe, ctx: StepContext, step) -> dict:
+    """One step of the recipe, its experts calibrated as the recipe says (every rank alike)."""
+    with calibrating(recipe.calibration.experts()):
+        return STEPS[step.name].apply(ctx, step.config)
 
 
 def evaluate_checkpoint(recipe: Recipe, folder: Path, exported: dict) -> Results:

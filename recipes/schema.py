@@ -54,6 +54,10 @@ class Recipe:
         plain["steps"] = [{s.name: to_plain(s.config)} for s in self.steps]
         if self.fit is None:  # a run's recipe.yaml says `fit:` only where it planned from a budget
             del plain["fit"]
+        defaults = CalibrationConfig()
+        for key in ("moe", "moe_min_tokens"):  # said where they differ from the defaults, as recipes before them wrote
+            if plain["calibration"][key] == getattr(defaults, key):
+                del plain["calibration"][key]
         return plain
 
 

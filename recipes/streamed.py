@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lowbit.calibrate.experts import calibrating
 from lowbit.calibrate.arch import Arch, decoder_layers, matches_name
 from lowbit.calibrate.checks import check_finite_weights, safetensors_files
 from lowbit.calibrate.distributed import world
@@ -155,7 +156,7 @@ def apply_steps_streamed(recipe: Recipe, ctx: StepContext, weights: ShardedWeigh
         store = progress.step(index, required=True)
         ctx.layer_store, ctx.layer_source = store, StreamedLayers(ctx.model, ctx.arch, weights, stores)
         start = time.perf_counter()
-        with timed("quantize_s"):
+        with timed("quantize_s"), calibrating(recipe.calibration.experts()):
             ctx.observed = observe(ctx, spec.observes(step.config))
             mode = spec.streamed(step.config)
             if mode in (WALK, MODEL):  # a walk loads its layers; a MODEL step needs none resident

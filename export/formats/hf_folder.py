@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from lowbit.calibrate.checks import read_index
+from lowbit.calibrate.experts import stored_name, unfuse_experts
 from lowbit.calibrate.model_config import check_model_source, code_modules
 from lowbit.calibrate.models import resolve_model_path
 from lowbit.export import kv_scales
@@ -77,7 +78,9 @@ def native_modules(model: nn.Module, names) -> dict[str, nn.Module]:
     cached = _skeletons.get(model)
     if cached is None or cached[0] != config:
         with torch.device("meta"):
-            cached = _skeletons[model] = (config, type(model)(model.config))
+            skeleton = type(model)(model.config)
+            unfuse_experts(skeleton)
+            cached = _skeletons[model] = (config, skeleton)
     return {n: cached[1].get_submodule(n) for n in names}
 
 
@@ -85,7 +88,8 @@ def float_linears(model: nn.Module, quantized: dict) -> list[str]:
     """Names for a config's ignore list: linears that stay float (ignored or not targeted)."""
     from lowbit.calibrate.arch import is_linear
 
-    return [n for n, m in model.named_modules() if is_linear(m) and n not in quantized]
+    model_type = getattr(model.config, "model_type", None)
+    return [stored_name(model_type, n) for n, m in model.named_modules() if is_linear(m) and n not in quantized]
 
 
 def base_config(model: nn.Module, dtype: str) -> dict:
@@ -126,6 +130,8 @@ def weights_to(sink: Callable[[dict, Path, dict], None], tensors: bool = True):
 
 def write_folder(folder: Path, model, tokenizer, tensors: dict, config: dict, extra_files: dict[str, str]) -> None:
     sink, metadata = _weights_sink.get(), {"format": "pt"}
+    model_type = getattr(model.config, "model_type", None)
+    tensors = {stored_name(model_type, k): t for k, t in tensors.items()}  # the hub's per-expert names
     if sink is not None:
         sink(tensors, folder / WEIGHTS, metadata)
     else:

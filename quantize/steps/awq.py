@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 import torch
 
-from lowbit.calibrate.arch import is_linear, linear_weight
+from lowbit.calibrate.arch import is_linear, linear_weight, target_linears
 from lowbit.calibrate.distributed import all_sum, count_before, mean_rows, sum_int, sum_numbers
 from lowbit.calibrate.walker import LayerInputs, first_output, layer_forward, record_linear_inputs, walk
 from lowbit.quantize.grids.gguf_plan import GGUFTypes
@@ -269,7 +269,9 @@ def scale_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig
 def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig, ignore, grid=None) -> list[str]:
     """Clip each linear's groups, judged on (a stride of) all calibration tokens in `inputs`."""
     grid = cfg.scheme if grid is None else grid
-    names = [n for n in arch.linears if n not in cfg.clip_skip and not is_ignored(f"{prefix}.{n}", ignore)]
+    present = dict(layer.named_modules())  # a mixture's layer holds its experts or a dense MLP
+    names = [n for n in arch.linears
+             if n in present and n not in cfg.clip_skip and not is_ignored(f"{prefix}.{n}", ignore)]
     stride = 1 if cfg.clip_tokens is None else token_stride(inputs.hidden, cfg.clip_tokens)
     grams = {n: GroupGram(grid) for n in names}
     last = [None, None]  # the input tensor seen last and the linear whose Gram took it
@@ -284,6 +286,7 @@ def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig,
     record_linear_inputs(layer, names, inputs, device, update)
     for gram in {id(g): g for g in grams.values()}.values():  # each shared Gram once, in one order
         gram.merge_ranks()
+    names = [n for n in names if grams[n].tokens]  # a routed expert no token reached keeps its range
     for name in names:
         w = linear_weight(layer.get_submodule(name))  # a view: copying into it updates the module
         if isinstance(grid, GGUFSearchGrid):
@@ -324,9 +327,8 @@ def _search_grid(ctx: StepContext, cfg: AWQConfig):
     if isinstance(cfg.scheme, GGUFTypes):
         targets, schemes = planned_targets(ctx, cfg.scheme)
         return GGUFSearchGrid(schemes), ctx.ignore + tuple(n for n in targets.ignored if n not in ctx.ignore)
-    layer0 = ctx.model.get_submodule(f"{ctx.arch.layers}.0")
-    for name in ctx.arch.linears:
-        check_group_size(cfg.scheme, linear_weight(layer0.get_submodule(name)).shape[1], f"{ctx.arch.layers}.0.{name}")
+    for name, module in target_linears(ctx.model, ctx.arch).items():
+        check_group_size(cfg.scheme, linear_weight(module).shape[1], name)
     return cfg.scheme, ctx.ignore
 
 

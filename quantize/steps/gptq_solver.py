@@ -286,7 +286,7 @@ def _prepare(W: torch.Tensor, H: torch.Tensor | HessianAccumulator, cfg: GPTQCon
     diagonal (dead inputs at 1), the permutation and the inverse-Hessian factor. H is not copied
     whole: the factor's working matrix is the only other (in, in) matrix alive (and the only one
     left when H came in an accumulator)."""
-    if isinstance(H, HessianAccumulator):
+    if not isinstance(H, torch.Tensor):  # an accumulator (or an expert's stand-in): its matrix, handed over
         H = H.take()
     diagonal = H.diagonal().to(torch.float32, copy=True)  # H stays as the caller gave it
     dead = diagonal == 0  # inputs that are always zero: any value works, 0 is simplest

@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from lowbit.calibrate.distributed import all_sum, round_robin, sum_int, world
+from lowbit.calibrate.experts import take_routed_tokens
 from lowbit.calibrate.hardware import cpu_info, return_freed_memory
 from lowbit.calibrate.walker import record_linear_inputs, walk
+from lowbit.quantize.steps import expert_hessians
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.gptq_solver import HessianAccumulator
 from lowbit.quantize.targets import replace_module
@@ -57,6 +59,9 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
         groups = [[n for n in g if n in names] for g in ctx.arch.groups] if cfg.true_sequential else [names]
         stats: dict = {}
         solved: dict[str, nn.Module] = {}
+        fallbacks: dict[str, str] = {}
+        routed: dict[str, list[int]] = {}
+        seen: dict[str, int] = {}
 
         def install_unit(unit, result):
             modules = install(prefix, layer, unit[0], result, stats)
@@ -68,13 +73,21 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
 
         for group in filter(None, groups):
             hessians, sharing = _collect_hessians(layer, group, inputs, ctx.device)
+            routed.update(take_routed_tokens(layer, prefix))
+            fallbacks.update(expert_hessians.stand_in_starved(prefix, layer, hessians, sharing, seen))
+            hessians, sharing = expert_hessians.one_expert_per_solve(hessians, sharing)
             units = [(members, hessians.pop(lead)) for lead, members in sharing.items()]
             _smallest_first(units, lambda unit: solve_trimmed(prefix, layer, unit), install_unit)
         for name, module in solved.items():
             let_go(prefix, layer, name, module)
         stats = {n: stats[n] for n in names if n in stats}  # the layer's order, not the solves'
-        return {"layer": prefix, "seconds": round(time.perf_counter() - start, 3),
-                "linears": {f"{prefix}.{n}": s for n, s in stats.items()}}
+        record = {"layer": prefix, "seconds": round(time.perf_counter() - start, 3),
+                  "linears": {f"{prefix}.{n}": s for n, s in stats.items()}}
+        if seen:  # a mixture of experts: what the router sent each, what its statistics saw, fallbacks
+            record["routed_tokens"] = routed
+            record["expert_statistics_tokens"] = seen
+            record["expert_fallbacks"] = fallbacks
+        return record
 
     def let_go(prefix, layer, name, module):
         replace_module(layer, name, module)
@@ -139,6 +152,7 @@ def _collect_hessians(layer: nn.Module, names: list[str], inputs, device):
         last["x"], last["lead"] = x2d, name
 
     record_linear_inputs(layer, names, inputs, device, record)
+    hessians, sharing = expert_hessians.complete(layer, names, hessians, sharing)
     for accumulator in hessians.values():  # the same order on every rank
         merge_ranks(accumulator)
     return hessians, sharing

@@ -1,0 +1,52 @@
+"""Tiny random mixtures of experts (2 decoder layers, 4 experts, top-2, hidden 64) of every family
+lowbit's table holds, saved with the smollm2 tokenizer into a model folder `lowbit run` accepts.
+transformers 5.x holds their experts as fused 3-D parameters; save_pretrained writes the hub's
+per-expert tensors."""
+from __future__ import annotations
+
+import torch
+
+MOE_TYPES = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3"]
+EXPERTS = 4
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+EXTRA = {
+    "qwen3_moe": dict(num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16),
+    "mixtral": dict(num_local_experts=EXPERTS, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=EXPERTS, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=128),
+    # layer 0 dense (first_k_dense_replace), layer 1 routed experts and a shared one; latent attention
+    # not split into linears by lowbit (transposed, with biases): its experts stay fused
+    "gpt_oss": dict(num_local_experts=EXPERTS, num_experts_per_tok=2, head_dim=16,
+                    layer_types=["sliding_attention", "full_attention"]),
+    "deepseek_v3": dict(n_routed_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=64,
+                        n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=64,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
+                        rope_scaling=None, num_key_value_heads=4),  # latent attention: k/v for every head
+}
+# per layer: routed experts x (gate, up, down), the dense layers' MLP, a shared expert's projections
+EXPERT_LAYERS = {"deepseek_v3": [1]}
+
+
+def moe_config(model_type: str, tokenizer):
+    from transformers import AutoConfig
+
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return AutoConfig.for_model(model_type, **{**COMMON, **EXTRA[model_type], **ids})
+
+
+def save_tiny_moe(folder, model_type: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lowbit.calibrate.models import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(moe_config(model_type, tok), dtype=torch.float32).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def expert_layers(model_type: str) -> list[int]:
+    return EXPERT_LAYERS.get(model_type, [0, 1])
