@@ -28,7 +28,6 @@ from .distributed import sum_numbers
 # transposed with their own forwards and are not in this list
 FUSED_CLASSES = ("Qwen3MoeExperts", "Qwen2MoeExperts", "OlmoeExperts", "MixtralExperts", "DeepseekV3Experts")
 MOE_MODES = ("all_experts", "routed")
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
