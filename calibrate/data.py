@@ -33,9 +33,9 @@ class CalibrationConfig:
     offload: Literal["auto", "device", "cpu", "disk"] = "auto"
     # mixtures of experts (calibrate/experts.py): what each expert's statistics see, every token of its
     # layer (all_experts) or those the router sends it (routed); the layer's output follows the router
-    moe: Literal["all_experts", "routed"] = "all_experts"
+    moe: Literal["all_experts", "routed"] = ExpertCalibration.mode
     # a routed expert that fewer calibration tokens reached is rounded to nearest, and named
-    moe_min_tokens: int = 16
+    moe_min_tokens: int = ExpertCalibration.min_tokens
 
     def __post_init__(self):
         from .hardware import check_device_name

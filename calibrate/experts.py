@@ -142,10 +142,15 @@ def unfuse_experts(model: nn.Module) -> int:
 
 def _unfused(module: nn.Module) -> ExpertLinears:
     gate_up, down = module.gate_up_proj.data, module.down_proj.data
-    inner = gate_up.shape[1] // 2
-    experts = [Expert(_linear(gate_up[e, :inner]), _linear(gate_up[e, inner:]), _linear(down[e]), module.act_fn)
-                for e in range(gate_up.shape[0])]
+    experts = [Expert(*map(_linear, expert_slices(gate_up, down, e)), module.act_fn) for e in range(gate_up.shape[0])]
     return ExpertLinears(experts)
+
+
+def expert_slices(gate_up: torch.Tensor, down: Optional[torch.Tensor], e: int) -> tuple:
+    """Expert e's (gate, up, down) weights in fused tensors (gate rows first in gate_up); down None
+    where `down` is."""
+    inner = gate_up.shape[1] // 2
+    return gate_up[e, :inner], gate_up[e, inner:], None if down is None else down[e]
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:
@@ -210,12 +215,10 @@ def split_stored_experts(model: nn.Module, tensors: dict) -> dict:
         if not isinstance(module, ExpertLinears) or f"{name}.gate_up_proj" not in tensors:
             continue
         gate_up, down = tensors.pop(f"{name}.gate_up_proj"), tensors.pop(f"{name}.down_proj", None)
-        inner = gate_up.shape[1] // 2
         for e in range(gate_up.shape[0]):
-            tensors[f"{name}.{e}.gate_proj.weight"] = gate_up[e, :inner]
-            tensors[f"{name}.{e}.up_proj.weight"] = gate_up[e, inner:]
-            if down is not None:  # missing: the float load names it
-                tensors[f"{name}.{e}.down_proj.weight"] = down[e]
+            for projection, weight in zip(("gate_proj", "up_proj", "down_proj"), expert_slices(gate_up, down, e)):
+                if weight is not None:  # a missing down_proj: the float load names it
+                    tensors[f"{name}.{e}.{projection}.weight"] = weight
     return tensors
 
 

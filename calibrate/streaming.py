@@ -52,12 +52,11 @@ class ShardedWeights:
             raise FileNotFoundError(f"{self.folder}: streaming reads safetensors weights, and there is "
                                     f"neither model.safetensors nor {SAFE_INDEX}")
         if (self.folder / SAFE_INDEX).is_file():
-            shard_of = dict(read_index(self.folder))
-        else:
-            shard_of = {}
-            for path in files:
-                with open_shard(path) as handle:
-                    shard_of.update({name: path.name for name in handle.keys()})
+            return dict(read_index(self.folder))
+        shard_of = {}
+        for path in files:
+            with open_shard(path) as handle:
+                shard_of.update({name: path.name for name in handle.keys()})
         return shard_of
 
     def numel(self) -> int:
