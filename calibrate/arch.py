@@ -122,6 +122,11 @@ _DEEPSEEK_V3 = Arch(
     layers="model.layers",
     groups=_moe_groups((_MLA_INPUT, ("self_attn.q_b_proj",), ("self_attn.kv_b_proj",), ("self_attn.o_proj",)),
                        shared="mlp.shared_experts"),
+    # each latent's norm feeds one projection alone (kv_a's rotary slice bypasses kv_a_layernorm: a
+    # scale folded there leaves it untouched); no MLP pair: the experts' norm also feeds the router
+    smooth=(SmoothPair("input_layernorm", _MLA_INPUT),
+            SmoothPair("self_attn.q_a_layernorm", ("self_attn.q_b_proj",)),
+            SmoothPair("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",))),
 )
 
 ARCHS: dict[str, Arch] = {
@@ -141,6 +146,18 @@ ARCHS: dict[str, Arch] = {
     "qwen2_moe": replace(_MOE, groups=_moe_groups((_QKV, ("self_attn.o_proj",)), shared="mlp.shared_expert")),
     "deepseek_v3": _DEEPSEEK_V3,
 }
+
+
+def layer_pairs(layer: nn.Module, pairs) -> list[SmoothPair]:
+    """The pairs as this layer holds them: linears it lacks left out (DeepSeek-V3's q_proj where q
+    is low-rank, q_a/q_b where it is not), a pair left without prev or linears dropped."""
+    present = dict(layer.named_modules())
+    out = []
+    for pair in pairs:
+        linears = tuple(n for n in pair.linears if n in present)
+        if pair.prev in present and linears:
+            out.append(replace(pair, linears=linears))
+    return out
 
 
 def is_linear(module: nn.Module) -> bool:

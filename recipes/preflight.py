@@ -1,15 +1,47 @@
 """Checks run right after the model loads, so a run that cannot finish fails before any work."""
 from __future__ import annotations
 
+from lowbit.calibrate.arch import arch_for, target_linears
 from lowbit.calibrate.checks import check_finite_weights
 from lowbit.evaluate.perplexity import bos_id
+from lowbit.export.formats.gguf.names import arch_of, stacked_name
+from lowbit.quantize.targets import gguf_types, is_ignored
+
+from .gguf_defaults import recipe_file_type
 
 
 def preflight(recipe, model, tokenizer) -> None:
     check_finite_weights(model)  # NaN/inf weights: every scale would be NaN (streamed: per layer, as read)
-    preflight_tokenizer(recipe, tokenizer)
+    preflight_settings(recipe, model, tokenizer)
 
 
-def preflight_tokenizer(recipe, tokenizer) -> None:
+def preflight_settings(recipe, model, tokenizer) -> None:
+    """What needs no weights (a streamed run checks those per layer, as they are read)."""
     if recipe.evaluate.perplexity.bos:
         bos_id(tokenizer)  # raises, naming evaluate.perplexity.bos, if the tokenizer has no BOS/EOS
+    if recipe.export.format == "gguf":  # an architecture or routing llama.cpp cannot run
+        arch_of(model.config, "the recipe's export (format: gguf)")
+        check_one_type_per_experts(recipe, model)
+
+
+def check_one_type_per_experts(recipe, model) -> None:
+    """llama.cpp stores a layer's experts as one tensor of one type: a plan (scheme.types, `lowbit
+    fit`) or an ignore list that splits them fails here, not after the quantization."""
+    types = recipe_file_type(recipe)
+    if types is None or not (types.types or recipe.ignore):
+        return  # llama.cpp's own rules give every expert of a layer one type
+    arch = arch_for(model)
+    planned = gguf_types(model, arch, list(target_linears(model, arch)), types)
+    by_stack: dict[str, dict[str, str]] = {}
+    for name, kind in planned.items():
+        stacked = stacked_name(f"{name}.weight")
+        if stacked is not None:
+            kind = "16-bit (ignored)" if is_ignored(name, recipe.ignore) else (kind or "16-bit")
+            by_stack.setdefault(stacked[0], {})[name] = kind
+    for stack, kinds in by_stack.items():
+        values = list(kinds.values())
+        if len(set(values)) > 1:
+            usual = max(set(values), key=values.count)
+            found = ", ".join(f"{name}: {kind}" for name, kind in kinds.items() if kind != usual)
+            raise ValueError(f"scheme.types / ignore: llama.cpp stores the experts of {stack.removesuffix('.weight')} "
+                             f"as one tensor of one type; these differ from the others' {usual}: {found}")

@@ -42,7 +42,7 @@ from lowbit.quantize.audit import damping_notes, fallback_notes
 
 from .audit import audit_run, expected_schemes
 from .lock import output_lock
-from .preflight import preflight, preflight_tokenizer
+from .preflight import preflight, preflight_settings
 from .fit_recipe import resolve_fit
 from .resume import RunProgress
 from .schema import Recipe
@@ -153,7 +153,7 @@ def quantize_and_export_streamed(recipe: Recipe, progress: RunProgress, folder: 
     seconds: dict = {}
     timed = timer(seconds)
     model, tokenizer, weights, seconds["load_s"] = load_skeleton(recipe, folder)
-    preflight_tokenizer(recipe, tokenizer)  # the weights are checked per layer, as they are read
+    preflight_settings(recipe, model, tokenizer)  # the weights are checked per layer, as they are read
     info = model_info(recipe, model)
     arch = arch_for(model)
     expected, ignored, kv = expected_schemes(recipe, model, arch)  # from the float skeleton, as audit_run

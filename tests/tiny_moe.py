@@ -29,21 +29,22 @@ EXTRA = {
 EXPERT_LAYERS = {"deepseek_v3": [1]}
 
 
-def moe_config(model_type: str, tokenizer):
+def moe_config(model_type: str, tokenizer, **overrides):
     from transformers import AutoConfig
 
     ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    return AutoConfig.for_model(model_type, **{**COMMON, **EXTRA[model_type], **ids})
+    return AutoConfig.for_model(model_type, **{**COMMON, **EXTRA[model_type], **ids, **overrides})
 
 
-def save_tiny_moe(folder, model_type: str, seed: int = 0):
+def save_tiny_moe(folder, model_type: str, seed: int = 0, **overrides):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lowbit.calibrate.models import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(moe_config(model_type, tok), dtype=torch.float32).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(moe_config(model_type, tok, **overrides), dtype=torch.float32)
+    model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 

@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 import torch
 
-from lowbit.calibrate.arch import is_linear, linear_weight, target_linears
+from lowbit.calibrate.arch import is_linear, layer_pairs, linear_weight, target_linears
 from lowbit.calibrate.distributed import all_sum, count_before, mean_rows, sum_int, sum_numbers
 from lowbit.calibrate.walker import LayerInputs, first_output, layer_forward, record_linear_inputs, walk
 from lowbit.quantize.grids.gguf_plan import GGUFTypes
@@ -252,7 +252,8 @@ def scale_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig
     grid: what the searches quantize with (cfg.scheme, or a GGUFSearchGrid of per-linear types).
     """
     grid = cfg.scheme if grid is None else grid
-    pairs = [p for p in arch.smooth if not any(is_ignored(f"{prefix}.{n}", ignore) for n in p.linears)]
+    pairs = [p for p in layer_pairs(layer, arch.smooth)
+             if not any(is_ignored(f"{prefix}.{n}", ignore) for n in p.linears)]
     errors = [BlockError(layer, p, inputs, device, grid, prefix) for p in pairs]
     ratios = {}
     for pair, error in zip(pairs, errors):

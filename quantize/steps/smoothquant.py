@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.calibrate.arch import layer_pairs
 from lowbit.calibrate.walker import record_linear_inputs, walk
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.steps.context import StepContext
@@ -65,13 +66,13 @@ def choose_scale(x_absmax, weights, index, channels, cfg: SmoothQuantConfig, err
 
 
 def smooth_layer(layer, arch, inputs, device, cfg: SmoothQuantConfig) -> dict:
-    collectors = {p.linears[0]: InputCollector(token_stride(inputs.hidden, cfg.max_tokens))
-                  for p in arch.smooth}
+    pairs = layer_pairs(layer, arch.smooth)
+    collectors = {p.linears[0]: InputCollector(token_stride(inputs.hidden, cfg.max_tokens)) for p in pairs}
     record_linear_inputs(layer, list(collectors), inputs, device,
                          lambda name, x: collectors[name].update(x))
     quant_w = weight_quantizer(cfg.scheme)
     chosen = {}
-    for pair in arch.smooth:
+    for pair in pairs:
         stats = collectors[pair.linears[0]].result()
         weights = pair_weights(layer, pair)
         channels, index = pair_index(layer, pair)

@@ -1,9 +1,15 @@
 """What a .gguf file calls things: the architectures lowbit writes, their tensor names (the `gguf`
 package's TensorNameMap, as llama.cpp's convert_hf_to_gguf.py uses it), the q/k row order llama.cpp
-expects, and the hyperparameter metadata."""
+expects, and the hyperparameter metadata.
+
+A mixture of experts' routed experts are one 3-D tensor per projection in a .gguf file
+(`blk.N.ffn_gate_exps` [experts, rows, cols], expert 0 first), as llama.cpp's converter stacks the
+hub's per-expert tensors; lowbit's per-expert linears are stacked on write and split on read."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -12,12 +18,24 @@ import torch
 class GGUFArch:
     name: str  # general.architecture, and the MODEL_ARCH member's value
     permute_qk: bool  # llama.cpp's llama graph rotates interleaved pairs: q/k rows are reordered on write
+    # a mixture of experts: whether llama.cpp's graph renormalizes the top-k routing weights (it
+    # reads no setting for it, so the model's norm_topk_prob must agree); None for a dense model
+    norm_topk: Optional[bool] = None
+    # llama.cpp's graph requires output.weight (it reads no tied output from token_embd): a tied
+    # model's output is written out as its own tensor
+    output_required: bool = False
 
 
 ARCHS = {
     "llama": GGUFArch("llama", permute_qk=True),
     "qwen2": GGUFArch("qwen2", permute_qk=False),  # NEOX rope: rows kept as they are
+    "qwen3_moe": GGUFArch("qwen3moe", permute_qk=False, norm_topk=True),
+    "qwen2_moe": GGUFArch("qwen2moe", permute_qk=False, norm_topk=False, output_required=True),
+    "mixtral": GGUFArch("llama", permute_qk=True, norm_topk=True),  # llama.cpp runs Mixtral as a llama
 }
+ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # float32 always, as llama.cpp's converter keeps them
+# a routed expert's linear weight in lowbit's modules: (experts module).(index).(projection).weight
+EXPERT_WEIGHT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>[a-z_0-9]+)\.weight$")
 
 
 def arch_of(config, where: str) -> GGUFArch:
@@ -29,7 +47,13 @@ def arch_of(config, where: str) -> GGUFArch:
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"{where}: GGUF export writes plain RoPE only; this model's rope_parameters.rope_type "
                          f"is {rope.get('rope_type')!r}")
-    return ARCHS[model_type]
+    arch = ARCHS[model_type]
+    norm = getattr(config, "norm_topk_prob", None)  # absent: the family's own fixed routing (Mixtral's)
+    if arch.norm_topk is not None and norm is not None and bool(norm) != arch.norm_topk:
+        raise ValueError(f"{where}: llama.cpp's {arch.name} graph {'always' if arch.norm_topk else 'never'} "
+                         f"renormalizes the top-k routing weights; this model's config.json has norm_topk_prob: "
+                         f"{str(bool(norm)).lower()}, so llama.cpp would compute another model")
+    return arch
 
 
 class TensorNames:
@@ -44,6 +68,18 @@ class TensorNames:
     def gguf_name(self, hf_name: str) -> str | None:
         """The .gguf name, or None for a tensor llama.cpp does not store (RoPE's inv_freq)."""
         return self._map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+
+
+def stacked_name(hf_name: str) -> Optional[tuple[str, int]]:
+    """(the experts' stacked tensor name, this expert's index) for a routed expert's linear weight
+    (`model.layers.1.mlp.experts.3.gate_proj.weight` -> `model.layers.1.mlp.experts.gate_proj.weight`, 3);
+    None for any other tensor."""
+    m = EXPERT_WEIGHT.match(hf_name)
+    return None if m is None else (f"{m['experts']}.{m['proj']}.weight", int(m["index"]))
+
+
+def is_router(gguf_name: str) -> bool:
+    return gguf_name.removesuffix(".weight").rpartition(".")[2] in ROUTERS
 
 
 def qk_row_order(config, hf_name: str, arch: GGUFArch) -> torch.Tensor | None:
@@ -84,6 +120,19 @@ def add_hyperparameters(writer, config, arch: GGUFArch) -> None:
     writer.add_rope_freq_base((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config.vocab_size)
-    if head_dim != config.hidden_size // config.num_attention_heads:
-        writer.add_key_length(head_dim)
+    if head_dim != config.hidden_size // config.num_attention_heads or arch.norm_topk is not None:
+        writer.add_key_length(head_dim)  # always for a MoE: transformers' GGUF reader takes head_dim from it
         writer.add_value_length(head_dim)
+    if arch.norm_topk is not None:
+        add_expert_hyperparameters(writer, config)
+
+
+def add_expert_hyperparameters(writer, config) -> None:
+    writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    inner = getattr(config, "moe_intermediate_size", None)  # absent: experts as wide as intermediate_size
+    if inner:
+        writer.add_expert_feed_forward_length(inner)
+    shared = getattr(config, "shared_expert_intermediate_size", None)
+    if shared:
+        writer.add_expert_shared_feed_forward_length(shared)

@@ -19,7 +19,7 @@ from lowbit.quantize.grids.gguf_packing import pack
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 
 from ..hf_folder import float_tensors, quantized_modules
-from .names import TensorNames, add_hyperparameters, arch_of, qk_row_order
+from .names import TensorNames, add_hyperparameters, arch_of, is_router, qk_row_order, stacked_name
 from .tokenizer import add_tokenizer
 
 GGUF_RECIPES_HINT = ("GGUF holds GGML block grids: quantize with a gguf recipe (its steps write GGUFLinear "
@@ -60,7 +60,21 @@ def write_gguf(path: Path, model: nn.Module, tokenizer, cfg, title: str) -> None
 
 def model_tensors(model: nn.Module, cfg, arch, where: str) -> Iterator[GGUFTensor]:
     """Every tensor the file holds, by its .gguf name; a tied lm_head is not among them (llama.cpp
-    reads token_embd for the output then, as convert_hf_to_gguf leaves it out)."""
+    reads token_embd for the output then, as convert_hf_to_gguf leaves it out). Routed experts'
+    weights come out as one stacked tensor per projection and layer."""
+    names = TensorNames(arch, model.config.num_hidden_layers)
+    experts: dict[str, dict[int, GGUFTensor]] = {}
+    for t in _tensors_by_hf_name(model, cfg, arch, where):
+        stacked = stacked_name(t.name)
+        if stacked is None:
+            yield t._replace(name=_gguf_name(names, t.name, where))
+        else:
+            experts.setdefault(stacked[0], {})[stacked[1]] = t
+    for hf_name, by_index in experts.items():
+        yield _stacked(_gguf_name(names, hf_name, where), by_index, hf_name, where)
+
+
+def _tensors_by_hf_name(model: nn.Module, cfg, arch, where: str) -> Iterator[GGUFTensor]:
     quantized = quantized_modules(model)
     for name, module in quantized.items():
         if not isinstance(module, GGUFLinear):
@@ -72,16 +86,38 @@ def model_tensors(model: nn.Module, cfg, arch, where: str) -> Iterator[GGUFTenso
     for hf_name, tensor in float_tensors(model, quantized, torch.float32).items():
         order = qk_row_order(model.config, hf_name, arch)
         tensor = tensor if order is None else tensor[order]
+        if is_router(names.gguf_name(hf_name) or ""):  # F32; a shared expert's [1, hidden] gate 1-D
+            yield _float_tensor(hf_name, tensor.squeeze(0) if tensor.shape[0] == 1 else tensor, None, "float32")
+            continue
         wanted = cfg.embedding_type if hf_name == embedding else cfg.type if hf_name in linears else None
-        yield _float_tensor(_gguf_name(names, hf_name, where), tensor, wanted, cfg.dtype)
+        yield _float_tensor(hf_name, tensor, wanted, cfg.dtype)
+        if hf_name == embedding and arch.output_required and _tied(model):  # the output, as the embedding
+            yield _float_tensor(_param_name(model, model.get_output_embeddings().weight, skip=embedding), tensor,
+                                wanted, cfg.dtype)
     for layer, module in quantized.items():
         order = qk_row_order(model.config, f"{layer}.weight", arch)
         raw = module.weight if order is None else module.weight[order]
-        yield GGUFTensor(_gguf_name(names, f"{layer}.weight", where), raw.cpu().numpy(),
-                         module.scheme.ggml_type, module.in_features * module.out_features)
+        yield GGUFTensor(f"{layer}.weight", raw.cpu().numpy(), module.scheme.ggml_type,
+                         module.in_features * module.out_features)
         if module.bias is not None:
-            yield _float_tensor(_gguf_name(names, f"{layer}.bias", where),
-                                module.bias if order is None else module.bias[order], None, "float32")
+            yield _float_tensor(f"{layer}.bias", module.bias if order is None else module.bias[order], None,
+                                "float32")
+
+
+def _stacked(name: str, by_index: dict[int, GGUFTensor], hf_name: str, where: str) -> GGUFTensor:
+    """One layer's experts' weights for one projection as llama.cpp's [experts, rows, cols] tensor:
+    every expert must be there and share one type and shape (llama.cpp holds one type per tensor)."""
+    count = max(by_index) + 1
+    missing = sorted(set(range(count)) - set(by_index))
+    if missing:
+        raise ValueError(f"{where}: {hf_name}: experts {missing} have no weight to stack")
+    tensors = [by_index[e] for e in range(count)]
+    kinds = {(t.ggml_type.name, t.data.shape) for t in tensors}
+    if len(kinds) > 1:
+        found = ", ".join(f"expert {e}: {t.ggml_type.name} {tuple(t.data.shape)}" for e, t in enumerate(tensors))
+        raise ValueError(f"{where}: {hf_name}: llama.cpp stores a layer's experts as one tensor of one type; "
+                         f"give every expert of the layer the same type ({found})")
+    return GGUFTensor(name, np.stack([t.data for t in tensors]), tensors[0].ggml_type, sum(t.numel for t in tensors))
 
 
 def _float_tensor(name: str, tensor: torch.Tensor, wanted: Optional[str], dtype: str) -> GGUFTensor:
@@ -103,13 +139,13 @@ def _float_tensor(name: str, tensor: torch.Tensor, wanted: Optional[str], dtype:
 
 
 def file_type(tensors: list[GGUFTensor], dtype: str):
-    """general.file_type: the type holding most 2-D weights (Q4_K with Q6_K beside it: llama.cpp's Q4_K_M)."""
+    """general.file_type: the type holding most matrix weights (Q4_K with Q6_K beside it: llama.cpp's Q4_K_M)."""
     import gguf
 
     F = gguf.LlamaFileType
     counts = Counter()
     for t in tensors:
-        if t.data.ndim == 2:
+        if t.data.ndim >= 2:
             counts[t.ggml_type.name] += t.numel
     present = set(counts)
     if "Q4_K" in present:
@@ -126,5 +162,10 @@ def _gguf_name(names: TensorNames, hf_name: str, where: str) -> str:
     return name
 
 
-def _param_name(model: nn.Module, tensor: torch.Tensor) -> str:
-    return next(n for n, t in model.state_dict().items() if t.data_ptr() == tensor.data_ptr())
+def _param_name(model: nn.Module, tensor: torch.Tensor, skip: Optional[str] = None) -> str:
+    return next(n for n, t in model.state_dict().items() if t.data_ptr() == tensor.data_ptr() and n != skip)
+
+
+def _tied(model: nn.Module) -> bool:
+    head = model.get_output_embeddings()
+    return head is not None and head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()

@@ -1,0 +1,112 @@
+"""GGUF files of mixtures of experts (#32): each layer's routed experts are llama.cpp's stacked
+`blk.N.ffn_{gate,up,down}_exps` tensors, routers stay F32, and both lowbit's reader and plain
+transformers (`gguf_file=`, in a fresh process) load the file back to the same logits."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import gguf
+import pytest
+import torch
+
+from test_moe import expected_linears, lowbit_logits
+from tiny_models import SMALL_RUN
+from tiny_moe import EXPERTS, save_tiny_moe
+from lowbit.quantize.runtime.gguf_linear import GGUFLinear
+from lowbit.recipes.cli import main
+
+RUN_SETS = [f"--set={s}" for s in SMALL_RUN]
+# transformers' GGUF reader takes no expert widths from the file (its key table has none), so the tiny
+# models use its config defaults there: Qwen3-MoE 768, Qwen2-MoE 1408 (shared expert 5632). Qwen3-MoE
+# at hidden 256 so that Q4_K's 256-weight super-blocks fit the gate/up rows; llama.cpp's qwen3moe graph
+# always renormalizes the top-k weights (norm_topk_prob true, as the released models have it)
+CASES = {
+    "qwen3_moe": ("gguf-q4_k-gptq", dict(hidden_size=256, head_dim=64, moe_intermediate_size=768,
+                                         norm_topk_prob=True)),
+    "qwen2_moe": ("gguf-q4_0", dict(moe_intermediate_size=1408, shared_expert_intermediate_size=5632)),
+}
+RELOAD = textwrap.dedent("""
+    import json, sys, torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], gguf_file="model.gguf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        print(json.dumps(model(torch.tensor(json.loads(sys.argv[2]))).logits.tolist()))
+""")
+
+
+def transformers_gguf_logits(folder, ids) -> torch.Tensor:
+    done = subprocess.run([sys.executable, "-c", RELOAD, str(folder), json.dumps(ids.tolist())],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return torch.tensor(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_experts_are_stacked_as_llama_cpp_reads_them_and_reload_everywhere(model_type, tmp_path, capsys):
+    recipe, overrides = CASES[model_type]
+    source = save_tiny_moe(tmp_path / "source", model_type, **overrides)
+    out = tmp_path / "run"
+    assert main(["run", recipe, "--model", str(source), "--output", str(out), *RUN_SETS]) == 0
+    assert "audit       passed" in capsys.readouterr().out
+    assert json.loads((out / "results.json").read_text())["audit"]["checked"] == expected_linears(model_type)
+
+    hidden, inner = overrides.get("hidden_size", 64), overrides["moe_intermediate_size"]
+    tensors = {t.name: t for t in gguf.GGUFReader(str(out / "model.gguf")).tensors}
+    assert not any(".experts." in n or "ffn_gate." in n for n in tensors)  # no per-expert tensor left
+    for layer in (0, 1):
+        for proj, shape in (("gate", [hidden, inner, EXPERTS]), ("up", [hidden, inner, EXPERTS]),
+                            ("down", [inner, hidden, EXPERTS])):  # GGML order: row length first
+            t = tensors[f"blk.{layer}.ffn_{proj}_exps.weight"]
+            assert t.shape.tolist() == shape
+            assert t.tensor_type.name in ("Q4_K", "Q6_K", "Q4_0")
+        assert tensors[f"blk.{layer}.ffn_gate_inp.weight"].tensor_type.name == "F32"
+
+    from lowbit.export.reader import load
+    model, _ = load(out)
+    assert isinstance(model.get_submodule(f"model.layers.1.mlp.experts.{EXPERTS - 1}.down_proj"), GGUFLinear)
+    ids = torch.randint(3, 500, (1, 16), generator=torch.Generator().manual_seed(2))
+    ours, theirs = lowbit_logits(out, ids), transformers_gguf_logits(out, ids)
+    # both dequantize the same blocks: float rounding apart (measured 3e-7 of the logit scale)
+    assert float((ours - theirs).abs().max()) <= 1e-4 * float(ours.abs().max())
+
+
+def test_a_layer_whose_experts_have_different_types_is_refused_naming_them(tmp_path, capsys):
+    source = save_tiny_moe(tmp_path / "source", "qwen3_moe", norm_topk_prob=True)
+    plan = "scheme={gguf: q4_0, types: {model.layers.1.mlp.experts.2.down_proj: q8_0}}"
+    code = main(["run", "gguf-q4_0", "--model", str(source), "--output", str(tmp_path / "run"), *RUN_SETS,
+                 f"--set={plan}"])
+    printed = capsys.readouterr()
+    assert code == 2
+    assert ("llama.cpp stores the experts of model.layers.1.mlp.experts.down_proj as one tensor of one type; "
+            "these differ from the others' q4_0: model.layers.1.mlp.experts.2.down_proj: q8_0") in printed.err
+    assert "[rtn]" not in printed.out + printed.err and not (tmp_path / "run").exists()  # before any work
+
+
+def test_experts_of_one_layer_stacked_with_two_types_are_refused_on_write(tmp_path):
+    """The writer's own check, for a model quantized outside a recipe run."""
+    from lowbit.calibrate.models import load_model
+    from lowbit.export import checkpoint
+    from lowbit.export.config import ExportConfig
+    from lowbit.quantize.grids.gguf import GGUFScheme, quantize_gguf
+    from lowbit.quantize.grids.gguf_packing import pack
+
+    model, tokenizer, _ = load_model(str(save_tiny_moe(tmp_path / "source", "qwen3_moe", norm_topk_prob=True)))
+    for e, kind in enumerate(["q4_0", "q4_0", "q8_0", "q4_0"]):
+        name = f"model.layers.1.mlp.experts.{e}.down_proj"
+        linear = model.get_submodule(name)
+        module = GGUFLinear(linear.in_features, linear.out_features, GGUFScheme(kind), False)
+        module.weight.copy_(pack(quantize_gguf(linear.weight.data, GGUFScheme(kind), name)))
+        model.set_submodule(name, module)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj\.weight: llama\.cpp stores a "
+                                         r"layer's experts as one tensor of one type.*expert 2: Q8_0"):
+        checkpoint.save(model, tokenizer, tmp_path / "out", ExportConfig(format="gguf", dtype="float32"))
+
+
+def test_routing_llama_cpp_would_compute_differently_stops_before_any_work(tmp_path, capsys):
+    source = save_tiny_moe(tmp_path / "source", "qwen3_moe", norm_topk_prob=False)
+    code = main(["run", "gguf-q4_0", "--model", str(source), "--output", str(tmp_path / "run"), *RUN_SETS])
+    printed = capsys.readouterr()
+    assert code == 2
+    assert "norm_topk_prob: false" in printed.err and "qwen3moe" in printed.err
+    assert "[rtn]" not in printed.out + printed.err and not (tmp_path / "run").exists()
