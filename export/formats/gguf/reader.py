@@ -29,9 +29,9 @@ def read_gguf_tensors(path: Path, model: nn.Module) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path}: unreadable or truncated GGUF file ({err})") from err
     arch = arch_of(model.config, where)
     names = TensorNames(arch, model.config.num_hidden_layers)
-    to_hf, to_experts = _hf_names(model, names), _expert_names(model, names)
+    state = model.state_dict()
+    to_hf, to_experts = _hf_names(state, names), _expert_names(state, names)
     linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name in to_experts:
@@ -45,7 +45,7 @@ def read_gguf_tensors(path: Path, model: nn.Module) -> dict[str, torch.Tensor]:
         if t.tensor_type.name in FLOAT_TYPES or hf_name not in linears:
             value = _float(t, gguf)
             if is_router(t.name):  # a shared expert's gate is 1-D in the file, [1, hidden] in the model
-                value = value.reshape(shapes[hf_name])
+                value = value.reshape(state[hf_name].shape)
             tensors[hf_name] = value if undo is None else value[undo]
         else:
             raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))
@@ -88,10 +88,10 @@ def _float(t, gguf) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(np.array(t.data), t.tensor_type).astype(np.float32))
 
 
-def _expert_names(model: nn.Module, names: TensorNames) -> dict[str, list[str]]:
+def _expert_names(state: dict, names: TensorNames) -> dict[str, list[str]]:
     """A stacked experts tensor's .gguf name -> its experts' weight names in lowbit's model, by index."""
     by_stack: dict[str, dict[int, str]] = {}
-    for hf_name in model.state_dict():
+    for hf_name in state:
         stacked = stacked_name(hf_name)
         if stacked is not None:
             by_stack.setdefault(stacked[0], {})[stacked[1]] = hf_name
@@ -103,9 +103,9 @@ def _expert_names(model: nn.Module, names: TensorNames) -> dict[str, list[str]]:
     return out
 
 
-def _hf_names(model: nn.Module, names: TensorNames) -> dict[str, str]:
+def _hf_names(state: dict, names: TensorNames) -> dict[str, str]:
     out = {}
-    for hf_name in model.state_dict():
+    for hf_name in state:
         gguf_name = names.gguf_name(hf_name)
         if gguf_name is not None:
             out.setdefault(gguf_name, hf_name)

@@ -64,7 +64,7 @@ def model_tensors(model: nn.Module, cfg, arch, where: str) -> Iterator[GGUFTenso
     weights come out as one stacked tensor per projection and layer."""
     names = TensorNames(arch, model.config.num_hidden_layers)
     experts: dict[str, dict[int, GGUFTensor]] = {}
-    for t in _tensors_by_hf_name(model, cfg, arch, where):
+    for t in _tensors_by_hf_name(model, cfg, arch, names, where):
         stacked = stacked_name(t.name)
         if stacked is None:
             yield t._replace(name=_gguf_name(names, t.name, where))
@@ -74,13 +74,12 @@ def model_tensors(model: nn.Module, cfg, arch, where: str) -> Iterator[GGUFTenso
         yield _stacked(_gguf_name(names, hf_name, where), by_index, hf_name, where)
 
 
-def _tensors_by_hf_name(model: nn.Module, cfg, arch, where: str) -> Iterator[GGUFTensor]:
+def _tensors_by_hf_name(model: nn.Module, cfg, arch, names: TensorNames, where: str) -> Iterator[GGUFTensor]:
     quantized = quantized_modules(model)
     for name, module in quantized.items():
         if not isinstance(module, GGUFLinear):
             raise ValueError(f"{where}: layer {name} is a {type(module).__name__}, which GGUF cannot hold. "
                              f"{GGUF_RECIPES_HINT}")
-    names = TensorNames(arch, model.config.num_hidden_layers)
     embedding = _param_name(model, model.get_input_embeddings().weight)
     linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     for hf_name, tensor in float_tensors(model, quantized, torch.float32).items():
