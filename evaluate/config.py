@@ -70,7 +70,7 @@ class SpeedConfig:
     repeats: int = 3  # timed runs; medians are reported
     # runtime kernels for quantized linears while timing (quantize/backends.py): auto picks the
     # fastest for the device; reference times dequantize + matmul
-    backend: Literal["auto", "reference", "cpu_avx512", "cpu_avx2", "cuda_int4", "cuda_int8"] = "auto"
+    backend: Literal["auto", "reference", "cpu_avx512", "cpu_avx2", "cuda_int4", "cuda_int8", "triton"] = "auto"
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.new_tokens < 2 or self.repeats < 1 or self.warmup < 0:

@@ -1,7 +1,15 @@
 """Shared fixtures: tiny random models of several architectures, and the real smollm2-135m."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on the CPU (tests/test_triton_kernels.py).
+# Triton reads this once, when it is first imported, so it is set before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tiny_models import ARCH_TYPES, make_tiny_model, tiny_config  # noqa: F401  (re-exported)
 

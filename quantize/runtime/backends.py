@@ -11,9 +11,13 @@ path and is reported.
               FP8 bytes (bf16 dot products where the CPU has AVX512-BF16)
   cpu_avx2    the same layouts for AVX2 + FMA + F16C CPUs (own module, no AVX-512 instruction)
   cuda_int4   torch's tinygemm (torch._weight_int4pack_mm), 4-bit groups of 32-256
-  cuda_int8   int8 weight-only: per-channel symmetric codes cast in the matmul
-  auto        the fastest available one for the device the layer's codes are on (on the CPU:
-              cpu_<cpu_info().isa>; none, as on ARM or with LOWBIT_CPU_ISA=none: the reference)
+  cuda_int8   int8 weight-only: per-channel symmetric codes, torch._weight_int8pack_mm
+  triton      quantize/runtime/triton_kernels.py: per-channel int8 codes (W8A16), E4M3 FP8
+              weight-only layers, and 4-bit group codes at batch 1, decoded in registers (CUDA;
+              the CPU under TRITON_INTERPRET=1)
+  auto        the fastest available one for the device the layer's codes are on (on CUDA:
+              cuda_int4, then triton; on the CPU: cpu_<cpu_info().isa>; none, as
+              on ARM or with LOWBIT_CPU_ISA=none: the reference)
 """
 from __future__ import annotations
 
@@ -24,12 +28,12 @@ import torch
 from torch import nn
 
 from lowbit.calibrate.hardware import cpu_info
-from lowbit.quantize.runtime import cpu_kernels, cuda_kernels
+from lowbit.quantize.runtime import cpu_kernels, cuda_kernels, triton_kernels
 from lowbit.quantize.runtime.fp8_linear import FP8Linear
 from lowbit.quantize.runtime.modules import is_quantized_linear
 from lowbit.quantize.runtime.qlinear import QuantLinear
 
-Backend = Literal["reference", "auto", "cpu_avx512", "cpu_avx2", "cuda_int4", "cuda_int8"]
+Backend = Literal["reference", "auto", "cpu_avx512", "cpu_avx2", "cuda_int4", "cuda_int8", "triton"]
 BACKENDS = get_args(Backend)
 CPU_VARIANTS = {"cpu_avx512": "avx512", "cpu_avx2": "avx2"}  # backend -> cpu_kernels variant
 
@@ -70,7 +74,7 @@ def make_kernel(module: QuantLinear | FP8Linear, backend: Backend):
 
 def auto_candidates(device: torch.device) -> list[str]:
     if device.type == "cuda":
-        return ["cuda_int4", "cuda_int8"]
+        return ["cuda_int4", "triton"]  # cuda_int8 only when named: 10x slower than bf16 on an H200
     if device.type == "cpu" and cpu_info().isa != "none":
         return [f"cpu_{cpu_info().isa}"]
     return []
@@ -97,16 +101,23 @@ def _cpu(module: QuantLinear, variant: str):
 
 
 def _fp8_kernel(module: FP8Linear, backend: Backend):
-    """FP8 layers: the CPU kernel, or FP8Linear's own paths (torch._scaled_mm on FP8 GPUs)."""
-    if module.weight.device.type != "cpu":
-        where = module.weight.device
-        return None, f"reference (FP8Linear on {where} runs torch._scaled_mm itself where the GPU has FP8)"
+    """FP8 layers: Triton's weight-only kernel, the CPU kernel, or FP8Linear's own paths
+    (torch._scaled_mm on FP8 GPUs for FP8 activations)."""
+    on_cpu = module.weight.device.type == "cpu"
+    if backend == "triton" or (backend == "auto" and not on_cpu):
+        kernel, why = triton_kernels.fp8_weight_only(module)
+        if kernel is not None:
+            return kernel, "triton"
+        scaled_mm = "" if module.activations == "none" else "; FP8Linear runs torch._scaled_mm where the GPU has FP8"
+        return None, f"reference (triton: {why}{scaled_mm})"
     if backend == "auto":
         if cpu_info().isa == "none":
             return None, f"reference ({no_candidates_reason(module.weight.device)})"
         backend = f"cpu_{cpu_info().isa}"
     if backend not in CPU_VARIANTS:
         return None, f"reference ({backend} takes no FP8 layers)"
+    if not on_cpu:
+        return None, f"reference ({backend}: the weight is on {module.weight.device}, not the CPU)"
     variant = CPU_VARIANTS[backend]
     found = cpu_kernels.fp8_group_scales(module)
     if isinstance(found, str):
@@ -122,4 +133,5 @@ BUILDERS = {
     **{backend: functools.partial(_cpu, variant=variant) for backend, variant in CPU_VARIANTS.items()},
     "cuda_int4": cuda_kernels.int4_tinygemm,
     "cuda_int8": cuda_kernels.int8_weight_only,
+    "triton": triton_kernels.for_quantlinear,
 }

@@ -5,10 +5,10 @@ Each builder takes a QuantLinear and returns (kernel, None) or (None, why not).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 INNER_K_TILES = 8  # tinygemm's k-tiling; in_features must be a multiple of 16 * this
@@ -74,8 +74,20 @@ class Int8WeightOnly(_CudaKernel):
         self.nbytes = codes.nbytes + scale.nbytes  # read per call
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        # the scale is per output row, so it moves after the matmul; torch.compile fuses the cast
-        return F.linear(x2, self.codes.to(x2.dtype)) * self.scale.to(x2.dtype)
+        # torch's own int8 weight-only matmul reads the codes as bytes (no float weight is built)
+        return torch._weight_int8pack_mm(x2.contiguous(), self.codes, self.scale.to(x2.dtype))
+
+
+@functools.cache
+def _int8pack_missing(device: torch.device) -> Optional[str]:
+    """Whether this torch has _weight_int8pack_mm for `device` (CUDA builds before about 2.6 do not)."""
+    try:
+        torch._weight_int8pack_mm(torch.zeros(1, 32, dtype=torch.bfloat16, device=device),
+                                  torch.zeros(8, 32, dtype=torch.int8, device=device),
+                                  torch.ones(8, dtype=torch.bfloat16, device=device))
+    except (RuntimeError, NotImplementedError) as e:
+        return f"torch {torch.__version__} has no {device.type} _weight_int8pack_mm ({str(e).splitlines()[0]})"
+    return None
 
 
 def int8_weight_only(module):
@@ -84,6 +96,8 @@ def int8_weight_only(module):
     why = _on_cuda(module)
     if why is None and (not s.symmetric or s.strategy != "channel"):
         why = "needs symmetric per-channel codes"
+    if why is None:
+        why = _int8pack_missing(module.weight_codes.device)
     if why:
         return None, why
     # per-channel: an act-order g_idx (all zeros) changes nothing
