@@ -74,7 +74,7 @@ def make_kernel(module: QuantLinear | FP8Linear, backend: Backend):
 
 def auto_candidates(device: torch.device) -> list[str]:
     if device.type == "cuda":
-        return ["cuda_int4", "triton"]  # cuda_int8 only when named: 10x slower than bf16 on an H200
+        return ["cuda_int4", "triton"]  # cuda_int8 only when named: 0.06x bf16 on an H200
     if device.type == "cpu" and cpu_info().isa != "none":
         return [f"cpu_{cpu_info().isa}"]
     return []

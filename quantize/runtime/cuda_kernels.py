@@ -1,5 +1,6 @@
-"""CUDA weight-only kernels from torch itself (no build step). Untested on real GPUs so far:
-the session that wrote them had none; tests/test_quantize_backends.py runs them when CUDA exists.
+"""CUDA weight-only kernels from torch itself (no build step). Checked on an H200 (docs/gpu.md):
+both match their reference path; tinygemm ran batch-1 decode at 1.70x bf16, _weight_int8pack_mm
+at 0.06x (so `auto` leaves it out). tests/test_quantize_backends.py runs them where CUDA exists.
 
 Each builder takes a QuantLinear and returns (kernel, None) or (None, why not).
 """
