@@ -12,10 +12,10 @@ Sections, each recorded even when another fails (the exit code is 1 if any did):
   decode        one decode step through 32 Llama-3-8B-shaped decoder layers' linears (q/k/v and
                 gate/up merged, as vLLM loads them; attention at short context left out) with the
                 element-wise work between them fused (bench/decode_glue.py), CUDA-graph captured,
-                batch 1 / 8 / 32: bf16, W4A16
-                (tinygemm; Triton at batch 1), W8A16 (Triton; torch's int8pack), FP8 weight-only (Triton) and FP8 W8A8
-                (torch._scaled_mm); medians of interleaved replays, against bf16 and against the
-                read bandwidth measured in the same run
+                batch 1 / 8 / 32: bf16, W4A16 (tinygemm; Triton at batch 1), W8A16 (Triton;
+                torch's int8pack), FP8 weight-only (Triton) and FP8 W8A8 (torch._scaled_mm);
+                medians of interleaved replays, against bf16 and against the read bandwidth
+                measured in the same run
   calibration   `lowbit run` of w4a16-gptq and fp8-dynamic on a random 2-layer model of
                 Llama-3-8B widths with --device cuda
 
