@@ -304,9 +304,9 @@ def calibration(args, device) -> dict:
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
-    small = ["calibration.samples=16", "calibration.seq_len=256", "evaluate.kl.enabled=false",
-             "evaluate.memory.measure_peak=false", "evaluate.perplexity.max_tokens=512",
-             "evaluate.perplexity.context_len=256", "evaluate.perplexity.stride=256"]
+    small = ["calibration.samples=16", "calibration.seq_len=256", "evaluate.kl.max_tokens=512",
+             "evaluate.perplexity.max_tokens=512", "evaluate.perplexity.context_len=256",
+             "evaluate.perplexity.stride=256", *evaluation_sets(args)]
     runs = []
     for recipe in ("w4a16-gptq", "fp8-dynamic"):
         out = work / f"run-{recipe}"
@@ -318,7 +318,36 @@ def calibration(args, device) -> dict:
         runs.append(dict(recipe=recipe, returncode=done.returncode, seconds=time.perf_counter() - start,
                          tail=(done.stdout + done.stderr)[-1500:],
                          results=json.loads(results.read_text()) if results.exists() else None))
-    return {"runs": runs, "passed": all(r["returncode"] == 0 for r in runs)}
+    return {"runs": runs, "evaluated": [evaluation_summary(r["results"]) for r in runs],
+            "passed": all(r["returncode"] == 0 for r in runs)}
+
+
+def evaluation_sets(args) -> list[str]:
+    """The evaluation of each calibrated checkpoint, where evaluate.device auto puts it (the GPU, in
+    bfloat16): KL against the random model, peak memory by torch's allocator counters, and decode
+    speed through a static cache and a compiled step (CUDA graphs) at batch 1, 8 and 32. The dry
+    run takes the static cache on the CPU (inductor's compile is tested in the suite)."""
+    speed = ["evaluate.speed.enabled=true", "evaluate.speed.repeats=3"]
+    if args.dry_run:
+        return speed + ["evaluate.memory.measure_peak=false", "evaluate.speed.decode=static",
+                        "evaluate.speed.batch_sizes=[1,2]", "evaluate.speed.prompt_len=16",
+                        "evaluate.speed.new_tokens=4"]
+    return speed + ["evaluate.speed.decode=compiled", "evaluate.speed.batch_sizes=[1,8,32]",
+                    "evaluate.speed.prompt_len=128", "evaluate.speed.new_tokens=32"]
+
+
+def evaluation_summary(results: dict | None) -> dict | None:
+    """Where and in which dtype each checkpoint was evaluated, its KL, and per model and batch the
+    decode mode that ran with TTFT, TPOT, tokens/s and the roofline's share."""
+    if results is None:
+        return None
+    speed, quality = results.get("speed") or {}, results["quality"]
+    rows = [{"model": name, "batch": int(b), **{k: row[k] for k in ("decode", "ttft_s", "tpot_s", "decode_tok_s")},
+             "fallback": row.get("decode_fallback"), "of_roofline": row["roofline_tpot_s"] / row["tpot_s"]}
+            for name in ("model", "baseline") for b, row in (speed.get(name) or {}).items()]
+    return {"device": quality["protocol"].get("device"), "dtype": quality["protocol"].get("dtype"),
+            "kl_mean": (quality.get("kl") or {}).get("kl_mean"), "speed_device": speed.get("device"),
+            "backends": speed.get("backends"), "speed": rows}
 
 
 def tokenizer_folder(args) -> str:

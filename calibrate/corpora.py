@@ -7,6 +7,7 @@ document to evaluation) and cached under $LOWBIT_CACHE/corpora.
 from __future__ import annotations
 
 import bz2
+import os
 import re
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def corpus_text(name: str, part: str) -> str:
     if not cached.exists():
         docs = corpus_documents(name)
         chosen = [d for i, d in enumerate(docs) if (i % EVAL_EVERY == EVAL_EVERY - 1) == (part == "eval")]
-        tmp = cached.with_suffix(".partial")
+        tmp = cached.with_suffix(f".{os.getpid()}.partial")  # two first uses at once each write their own
         tmp.write_text("\n\n".join(chosen), encoding="utf-8")
         tmp.replace(cached)
     return cached.read_text(encoding="utf-8")

@@ -10,7 +10,7 @@ import torch
 
 from .corpora import CORPORA, corpus_text
 from .experts import MOE_MODES, ExpertCalibration
-from .messages import short_repr
+from .messages import short_repr, shown_name
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def calibration_batches(cfg: CalibrationConfig, tokenizer) -> torch.Tensor:
     if len(ids) < cfg.seq_len + 1:
         empty = " (the text is empty)" if not text.strip() else ""
         raise ValueError(
-            f"calibration data {short_repr(cfg.dataset)} has {len(ids)} tokens{empty}, fewer than one sample of "
+            f"calibration data {shown_name(cfg.dataset)} has {len(ids)} tokens{empty}, fewer than one sample of "
             f"seq_len {cfg.seq_len}; use more text or a smaller calibration.seq_len"
         )
     gen = torch.Generator().manual_seed(cfg.seed)

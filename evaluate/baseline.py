@@ -10,7 +10,7 @@ import hashlib
 import json
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from lowbit.calibrate.cache import cache_dir
 from lowbit.calibrate.models import BUILTIN_MODELS, materialize_builtin
@@ -56,14 +56,20 @@ def model_fingerprint(model_name: str) -> str:
     return json.dumps([model_name, [(p.name, file_sha256(p)) for p in files]])
 
 
-def cache_key(model_name: str, protocol) -> str:
+DEFAULT_PLACEMENT = {"device": "cpu", "dtype": "float32"}  # left out of keys: caches from before stay valid
+
+
+def cache_key(model_name: str, protocol, placement: Optional[dict] = None) -> str:
+    """`placement` (device and dtype the figure was measured in, placement.describe()) joins the
+    key unless it is the CPU in float32: a bfloat16 GPU baseline is a different figure."""
+    where = [] if placement in (None, DEFAULT_PLACEMENT) else [placement]
     key_src = json.dumps([CACHE_VERSION, code_versions(), model_fingerprint(model_name),
-                          type(protocol).__name__, dataclasses.asdict(protocol)])
+                          type(protocol).__name__, dataclasses.asdict(protocol), *where])
     return hashlib.sha256(key_src.encode()).hexdigest()[:16]
 
 
-def cached_baseline(model_name: str, protocol, measure: Callable[[], dict]) -> dict:
-    path = cache_dir("baselines") / f"{cache_key(model_name, protocol)}.json"
+def cached_baseline(model_name: str, protocol, measure: Callable[[], dict], placement: Optional[dict] = None) -> dict:
+    path = cache_dir("baselines") / f"{cache_key(model_name, protocol, placement)}.json"
     if path.exists():
         return {**json.loads(path.read_text()), "cached": True}
     result = measure()

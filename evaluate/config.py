@@ -71,6 +71,10 @@ class SpeedConfig:
     # runtime kernels for quantized linears while timing (quantize/backends.py): auto picks the
     # fastest for the device; reference times dequantize + matmul
     backend: Literal["auto", "reference", "cpu_avx512", "cpu_avx2", "cuda_int4", "cuda_int8", "triton"] = "auto"
+    # how decode steps run: eager (the model's own growing cache), static (a preallocated KV
+    # cache), compiled (static cache + torch.compile; CUDA graphs on a GPU); auto: compiled on
+    # CUDA, eager on the CPU (compiling costs more than a short CPU measurement saves)
+    decode: Literal["auto", "eager", "static", "compiled"] = "auto"
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.new_tokens < 2 or self.repeats < 1 or self.warmup < 0:
@@ -129,6 +133,10 @@ class LMEvalConfig:
 
 @dataclass(frozen=True)
 class EvaluateConfig:
+    # where perplexity, KL, peak memory and speed run, model and reference alike: auto is a GPU in
+    # bfloat16 where torch sees one, else the CPU in float32 (evaluate/placement.py)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     perplexity: PerplexityProtocol = field(default_factory=PerplexityProtocol)
     baseline: bool = True  # also measure the unquantized model (cached per model and protocol)
     kl: KLConfig = field(default_factory=KLConfig)

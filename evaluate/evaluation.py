@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Optional
 
 from lowbit.calibrate.hardware import cpu_info
-from lowbit.calibrate.models import DEFAULT_DTYPE, load_model
+from lowbit.calibrate.models import load_model
 from lowbit.export import checkpoint
 
 from .baseline import cached_baseline
 from .config import EvaluateConfig
 from .memory import checkpoint_weight_bytes, model_weight_bytes
 from .peak_probe import Loadable
+from .placement import place, resolve_placement
 from .perplexity import perplexity
 from .perplexity_streamed import streamed_perplexity
 from .results import Memory, ModelInfo, Quality, Results, plain
@@ -33,17 +34,21 @@ def evaluate(target: str | Path, cfg: EvaluateConfig, reference: Optional[Refere
     """Evaluate `target`, a checkpoint folder (reloaded as written) or a model name/folder (weights
     counted as 16-bit), against `reference` when given."""
     reference = reference or Reference(None, None)
+    placement = resolve_placement(cfg.device, cfg.dtype)  # a GPU asked for and absent: said before any work
+    reference.placement = placement
     model, tokenizer, weight_bytes = load_target(target, trust_remote_code, allow_pickle)
+    place(model, placement)
     measured = perplexity(model, tokenizer, cfg.perplexity)
     kv_bytes = kv_bytes_per_element(model, cfg.memory)
+    where = placement.describe()
     memory = memory_sections(model, weight_bytes, reference, cfg.memory, kv_bytes,
-                             Loadable(str(target), trust_remote_code, allow_pickle))
+                             Loadable(str(target), trust_remote_code, allow_pickle, where["dtype"]))
     model_name = reference.name or str(target)
     quality = Quality(
         perplexity=measured["perplexity"],
         baseline_perplexity=baseline_perplexity(reference, tokenizer, cfg),
         dataset=cfg.perplexity.dataset,
-        protocol={**plain(cfg.perplexity), **measured},
+        protocol={**plain(cfg.perplexity), **measured, **where},
         **quality_extras(model, tokenizer, cfg, reference, model_name))
     speed = baselines = None
     if cfg.speed.enabled:
@@ -57,7 +62,7 @@ def evaluate(target: str | Path, cfg: EvaluateConfig, reference: Optional[Refere
     return Results(
         lowbit_version=version("lowbit"),
         model=ModelInfo(id=str(target), model_type=model.config.model_type, reference=reference.name,
-                        dtype=str(DEFAULT_DTYPE).removeprefix("torch.")),  # the reference's, as load_model loads it
+                        dtype=where["dtype"]),  # what evaluation computed in, reference alike
         hardware=cpu_info().to_dict(),
         recipe={"name": f"eval {Path(target).name or target}", "evaluate": plain(cfg)},
         quality=quality, memory=Memory(weight_bytes=weight_bytes, **memory), speed=speed, baselines=baselines)
@@ -79,8 +84,10 @@ def baseline_perplexity(reference: Reference, tokenizer, cfg: EvaluateConfig) ->
     streamed from its folder (the same figure, so the two share the cache)."""
     if not cfg.baseline or not (reference.available or reference.stream_from):
         return None
+    where = reference.placement
     if reference.available:
         measure = lambda: perplexity(reference.get(), tokenizer, cfg.perplexity)  # noqa: E731
     else:
-        measure = lambda: streamed_perplexity(reference.stream_from, tokenizer, cfg.perplexity)  # noqa: E731
-    return cached_baseline(reference.name, cfg.perplexity, measure)["perplexity"]
+        measure = lambda: streamed_perplexity(reference.stream_from, tokenizer, cfg.perplexity,  # noqa: E731
+                                              device=where.device, dtype=where.dtype)
+    return cached_baseline(reference.name, cfg.perplexity, measure, where.describe())["perplexity"]

@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from .config import KLConfig, PerplexityProtocol
-from .perplexity import bos_id, eval_tokens, window_batches, windows
+from .perplexity import bos_id, eval_tokens, model_batch_logits, window_batches, windows
 
 
 def token_kl(ref_logits: torch.Tensor, logits: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -48,7 +48,7 @@ def kl_protocol(protocol: PerplexityProtocol, cfg: KLConfig) -> PerplexityProtoc
 def kl_divergence(reference, model, tokenizer, protocol: PerplexityProtocol, cfg: KLConfig) -> dict:
     """Compare `model` with `reference` (the unquantized model) token by token."""
     protocol, batches = kl_batches(tokenizer, protocol, cfg)
-    ref_logits = (_logits(reference, inputs, mask) for inputs, mask, _ in batches)
+    ref_logits = (model_batch_logits(reference, inputs, mask, "KL reference") for inputs, mask, _ in batches)
     return compare_batches(ref_logits, model, batches, protocol)
 
 
@@ -63,19 +63,16 @@ def kl_batches(tokenizer, protocol: PerplexityProtocol, cfg: KLConfig) -> tuple[
 @torch.no_grad()
 def compare_batches(ref_logits, model, batches: list, protocol: PerplexityProtocol) -> dict:
     """KL and top-1 agreement of `model` against `ref_logits`, an iterable of each batch's reference
-    logits drawn in step with the batches: the model runs batch by batch too, so only one batch's
-    full-vocabulary logits of each exist at once; only the scored tokens' KLs are kept."""
+    BatchLogits drawn in step with the batches: the model runs batch by batch too, and both heads
+    run over the scored tokens a chunk at a time, so neither model's full-vocabulary logits of a
+    batch ever exist; only the scored tokens' KLs are kept."""
     kls, agrees = [], []
-    for ref_all, (inputs, mask, labels) in zip(ref_logits, batches):
+    for ref_batch, (inputs, mask, labels) in zip(ref_logits, batches):
         scored = labels[:, 1:] != -100  # positions whose next token is scored
-        ref = ref_all.float().cpu()[:, :-1][scored]
-        del ref_all
-        out = _logits(model, inputs, mask)[:, :-1][scored]
-        kls.append(token_kl(ref, out))
-        agrees.append(top1_agree(ref, out))
+        ours = model_batch_logits(model, inputs, mask, "KL")
+        for ref, out in zip(ref_batch.scored_chunks(scored), ours.scored_chunks(scored)):
+            ref = ref.to(out.device)
+            kls.append(token_kl(ref, out).cpu())
+            agrees.append(top1_agree(ref, out).cpu())
+        del ref_batch, ours
     return {**summarize(torch.cat(kls), torch.cat(agrees)), "max_tokens": protocol.max_tokens}
-
-
-def _logits(model, inputs, mask) -> torch.Tensor:
-    device = next(model.parameters()).device
-    return model(input_ids=inputs.to(device), attention_mask=mask.to(device)).logits.float().cpu()

@@ -9,12 +9,13 @@ Memory, with the evaluated model resident (its weights W), T tokens evaluated (k
 a BOS per window), hidden size d, vocabulary V, b bytes per value of the compute dtype, batches of
 B = WINDOWS_PER_BATCH windows of L = context_len tokens: W, plus T·d·b of reference hidden states,
 plus the larger of one reference decoder layer (while the windows pass the layers) and its final
-norm and head, V·d·b, with one batch's comparison (while they leave): the two models' logits and
-token_kl's log-softmaxes in float32, up to 7 tensors of B·L·V·4 bytes, as resident KL needs too.
-Llama-3-8B (d 4096, V 128256, float32, 4096 tokens in 9 windows of 512): hidden states 0.07 GB,
-a layer 0.87 GB, the head 2.1 GB and 7 x 1.05 GB of logits at the peak, about 9.5 GB beside W,
-whatever the depth; a resident reference adds its 32 GB in float32 instead. Time: each reference
-layer's weights are read once; the evaluated model runs once per batch, as resident.
+norm and head, V·d·b, with one batch's comparison (while they leave): both models' final hidden
+states of one batch and their logits a chunk of tokens at a time (evaluate/logits.py: at most
+8 x LOGITS_CHUNK_BYTES), as resident KL too. Llama-3-8B (d 4096, V 128256, float32, 4096 tokens in
+9 windows of 512): hidden states 0.07 GB, a layer 0.87 GB, the head 2.1 GB and 0.27 GB of logit
+chunks at the peak, about 2.4 GB beside W, whatever the depth; a resident reference adds its
+32 GB in float32 instead. Time: each reference layer's weights are read once; the evaluated model
+runs once per batch, as resident.
 """
 from __future__ import annotations
 

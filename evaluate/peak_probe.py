@@ -32,6 +32,7 @@ class Loadable:
     target: str
     trust_remote_code: bool = False
     allow_pickle: bool = False
+    dtype: str = "float32"  # evaluate.dtype, resolved: the loaded model is cast to it
 
 
 @torch.inference_mode()
@@ -85,6 +86,10 @@ def probe(source: Loadable, batch: int, context: int, decode_tokens: int, repeat
     gc.collect()
     start = _rss()
     model, _, _ = load_target(source.target, source.trust_remote_code, source.allow_pickle)
+    if source.dtype != "float32":
+        from .placement import DTYPES
+
+        model.to(DTYPES[source.dtype])
     load_peak = proc_status_bytes("VmHWM") if _HAS_PROC else None
     compacted = None
     if lean:
@@ -117,6 +122,7 @@ def measure_in_subprocess(source: Loadable, batch: int, context: int, decode_tok
                "--context", str(context), "--decode-tokens", str(decode_tokens), "--repeats", str(repeats)]
         cmd += ["--prefill-chunk", str(chunk)] * (chunk is not None) + ["--lean"] * lean
         cmd += ["--trust-remote-code"] * source.trust_remote_code + ["--allow-pickle"] * source.allow_pickle
+        cmd += ["--dtype", source.dtype]
         # cwd: a folder where no source tree can shadow installed packages
         # a fixed mmap threshold: glibc otherwise raises it after each large free, so later tensors
         # land on a heap that keeps freed pages, and the peak varied run to run by a third
@@ -142,8 +148,9 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--allow-pickle", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     a = parser.parse_args(argv)
-    figures = probe(Loadable(a.target, a.trust_remote_code, a.allow_pickle), a.batch, a.context, a.decode_tokens,
+    figures = probe(Loadable(a.target, a.trust_remote_code, a.allow_pickle, a.dtype), a.batch, a.context, a.decode_tokens,
                     a.repeats, a.prefill_chunk, a.lean)
     a.out.write_text(json.dumps(figures))
 

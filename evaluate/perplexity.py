@@ -10,6 +10,7 @@ from lowbit.calibrate.data import load_text
 from lowbit.calibrate.progress import Progress
 
 from .config import PerplexityProtocol
+from .logits import BatchLogits, batch_logits
 
 WINDOWS_PER_BATCH = 4
 
@@ -65,25 +66,34 @@ def window_batches(ids: torch.Tensor, prefix: list[int], spans: list[tuple[int, 
 def perplexity(model, tokenizer, protocol: PerplexityProtocol) -> dict:
     ids = eval_tokens(tokenizer, protocol)
     prefix = [bos_id(tokenizer)] if protocol.bos else []
-    device = next(model.parameters()).device
     nll, count = 0.0, 0
     spans = windows(len(ids), protocol)
     progress = Progress("perplexity", len(spans), "windows")
     for inputs, mask, labels in window_batches(ids, prefix, spans):
-        logits = model(input_ids=inputs.to(device), attention_mask=mask.to(device)).logits
-        batch_nll, batch_count = scored_nll(logits, labels)
+        batch_nll, batch_count = scored_nll(model_batch_logits(model, inputs, mask, "perplexity"), labels)
         nll, count = nll + batch_nll, count + batch_count
         progress.advance(len(inputs))
     return summary(nll, count, spans, prefix, protocol)
 
 
-def scored_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
-    """Summed next-token NLL of a batch of windows over its scored labels, and their count."""
-    logits = logits.float()
-    target = labels[:, 1:].to(logits.device)
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1),
-                           ignore_index=-100, reduction="sum")
-    return loss.item(), int((target != -100).sum())
+def model_batch_logits(model, inputs: torch.Tensor, mask: torch.Tensor, label: str) -> BatchLogits:
+    """One batch of windows through `model` on its device, its logits to be drawn in chunks."""
+    device = next(model.parameters()).device  # no use_cache: the config decides (a quantized KV cache applies)
+    return batch_logits(model, lambda extra: model(input_ids=inputs.to(device), attention_mask=mask.to(device),
+                                                   **extra), label)
+
+
+def scored_nll(batch: BatchLogits, labels: torch.Tensor) -> tuple[float, int]:
+    """Summed next-token NLL of a batch of windows over its scored labels (float32 logits, one
+    chunk of tokens at a time), and their count."""
+    scored = labels[:, 1:] != -100
+    targets = labels[:, 1:][scored]
+    nll, done = 0.0, 0
+    for logits in batch.scored_chunks(scored):
+        part = targets[done : done + len(logits)].to(logits.device)
+        nll += F.cross_entropy(logits, part, reduction="sum").item()
+        done += len(logits)
+    return nll, len(targets)
 
 
 def summary(nll: float, count: int, spans: list, prefix: list[int], protocol: PerplexityProtocol) -> dict:

@@ -10,10 +10,9 @@ Memory, with T tokens evaluated (max_tokens, plus a BOS per window), hidden size
 value of the compute dtype: the hidden states of every window, T·d·b (Llama-3-8B, 16384 tokens,
 float32: 0.27 GB), one decoder layer's weights (8B: 0.87 GB in float32), and, while the windows
 enter the layers, the token embedding, while they leave, the final norm and LM head with one
-batch's logits twice over (logits and their log-softmax, WINDOWS_PER_BATCH x context_len x vocab
-x 4 bytes each). Llama-3-8B: one 128k x 4096 matrix, 2.1 GB in float32, and 2 x 1.05 GB of logits
-at 512-token windows, whatever the depth; resident, the whole model, 32 GB in float32, plus the
-logits. Time: each layer's weights are read once.
+batch's final hidden states and a chunk of logits (evaluate/logits.py: LOGITS_CHUNK_BYTES).
+Llama-3-8B: one 128k x 4096 matrix, 2.1 GB in float32, whatever the depth; resident, the whole
+model, 32 GB in float32. Time: each layer's weights are read once.
 """
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from lowbit.calibrate.streaming import ShardedWeights, buffers_to, empty_model, 
 from lowbit.calibrate.walker import LayerInputs, capture_first_layer_inputs, layer_forward, pass_through
 
 from .config import PerplexityProtocol
+from .logits import BatchLogits, batch_logits
 from .perplexity import bos_id, eval_tokens, scored_nll, summary, window_batches, windows
 
 
@@ -40,8 +40,8 @@ def streamed_perplexity(path, tokenizer, protocol: PerplexityProtocol, device=No
     batches = list(window_batches(ids, prefix, spans))
     streamed = StreamedHidden(path, batches, device, dtype, trust_remote_code, "perplexity (streamed)")
     nll, count = 0.0, 0
-    with streamed.head() as batch_logits:
-        for logits, (_, _, labels) in zip(batch_logits, batches):
+    with streamed.head() as batches_logits:
+        for logits, (_, _, labels) in zip(batches_logits, batches):
             batch_nll, batch_count = scored_nll(logits, labels)
             nll, count = nll + batch_nll, count + batch_count
     return summary(nll, count, spans, prefix, protocol)
@@ -76,8 +76,9 @@ class StreamedHidden:
 
     @contextmanager
     def head(self):
-        """Inside the block, an iterator of each batch's logits (computed as it is drawn, so one
-        batch's logits exist at a time); the final norm and head hold weights only inside it."""
+        """Inside the block, an iterator of each batch's BatchLogits (computed as it is drawn, so one
+        batch's final hidden states exist at a time, its logits drawn a chunk of tokens at a time);
+        the final norm and head hold weights only inside it."""
         embedding = self.model.get_input_embeddings()
         outer = [(n, m) for n, m in self.outer if m is not embedding]
         with resident(self.model, outer, self.weights, self.dtype, self.device):
@@ -114,7 +115,7 @@ def capture(model, arch, batches, device) -> LayerInputs:
     return merged
 
 
-def head_logits(model, layers, hidden, mask, device) -> torch.Tensor:
+def head_logits(model, layers, hidden, mask, device) -> BatchLogits:
     """The model's own forward from the last layer's outputs on (final norm, LM head, any logit
     soft-capping): the first layer hands back `hidden`, every other one passes it on. The token
     embedding is not needed: zeros of its shape stand in for it, as the layers ignore them."""
@@ -122,7 +123,9 @@ def head_logits(model, layers, hidden, mask, device) -> torch.Tensor:
     for layer in layers[1:]:
         layer.forward = pass_through
     try:
-        return model(inputs_embeds=torch.zeros_like(hidden), attention_mask=mask.to(device), use_cache=False).logits
+        return batch_logits(model, lambda extra: model(inputs_embeds=torch.zeros_like(hidden),
+                                                       attention_mask=mask.to(device), use_cache=False, **extra),
+                            "streamed reference")
     finally:
         for layer in layers:
             del layer.forward

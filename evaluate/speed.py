@@ -1,8 +1,10 @@
 """Decode speed: prefill tokens/s, time to first token, time per output token, decode tokens/s,
 and achieved bandwidth beside the roofline bound (bandwidth measured in the same run).
 
-Greedy decoding with the model's own cache from seeded random prompts (content does not change the
-work done); `warmup` discarded runs, then medians over `repeats` timed runs.
+Greedy decoding from seeded random prompts (content does not change the work done), in the decode
+mode SpeedConfig.decode asks for: the model's own growing cache (eager), a preallocated one (static)
+or that with a compiled step (evaluate/static_decode.py); each row says which ran, and why not the
+one asked for where it fell back. `warmup` discarded runs, then medians over `repeats` timed runs.
 """
 from __future__ import annotations
 
@@ -20,11 +22,8 @@ from lowbit.quantize.runtime.backends import prepare
 
 from .config import SpeedConfig
 from .memory import ModelShape, kv_cache_bytes, packed_tensor_bytes
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from .static_decode import StaticDecoder, prepared_decoder
+from .static_decode import sync as _sync
 
 
 def last_logits_only(model) -> dict:
@@ -33,9 +32,15 @@ def last_logits_only(model) -> dict:
 
 
 @torch.inference_mode()
-def timed_generation(model, prompts: torch.Tensor, new_tokens: int) -> dict:
-    """One greedy generation; seconds for the prefill (incl. first token) and each later step.
-    The prefill makes the model's own cache (a quantized one where attached); steps extend it."""
+def timed_generation(model, prompts: torch.Tensor, new_tokens: int, decoder: StaticDecoder | None = None) -> dict:
+    """One greedy generation; seconds for the prefill (incl. first token) and each later step, and
+    the tokens (batch, new_tokens). With a prepared `decoder` (static_decode.prepared_decoder) it
+    runs there; else eagerly: the prefill makes the model's own cache (a quantized one where
+    attached) and the steps extend it."""
+    if decoder is not None:
+        if decoder.new_tokens != new_tokens:
+            raise ValueError(f"the decoder was prepared for {decoder.new_tokens} new tokens, asked for {new_tokens}")
+        return decoder.generate(prompts)
     device = next(model.parameters()).device
     extra = last_logits_only(model)
     prompts = prompts.to(device)
@@ -45,14 +50,15 @@ def timed_generation(model, prompts: torch.Tensor, new_tokens: int) -> dict:
     token = out.logits[:, -1:].argmax(-1)
     _sync(device)
     prefill = time.perf_counter() - start
-    steps = []
+    tokens, steps = [token], []
     for _ in range(new_tokens - 1):
         start = time.perf_counter()
         out, cache = cached_forward(model, token, cache, **extra)
         token = out.logits[:, -1:].argmax(-1)
         _sync(device)
         steps.append(time.perf_counter() - start)
-    return {"prefill_s": prefill, "step_s": steps}
+        tokens.append(token)
+    return {"prefill_s": prefill, "step_s": steps, "tokens": torch.cat(tokens, dim=1)}
 
 
 def measure_bandwidth(device: torch.device, size_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -97,7 +103,9 @@ def idle_expert_bytes(model, batch: int) -> int:
 def speed_at_batch(model, cfg: SpeedConfig, batch: int, bandwidth: float, seed: int = 0) -> dict:
     vocab = model.config.get_text_config().vocab_size
     prompts = torch.randint(0, vocab, (batch, cfg.prompt_len), generator=torch.Generator().manual_seed(seed))
-    runs = [timed_generation(model, prompts, cfg.new_tokens) for _ in range(cfg.warmup + cfg.repeats)]
+    # a static/compiled decoder is prepared here, untimed (cache allocated, step compiled); None: eager
+    decoder, decode = prepared_decoder(model, cfg.decode, prompts, cfg.new_tokens)
+    runs = [timed_generation(model, prompts, cfg.new_tokens, decoder) for _ in range(cfg.warmup + cfg.repeats)]
     runs = runs[cfg.warmup:]
     prefill = statistics.median(r["prefill_s"] for r in runs)
     tpot = statistics.median(statistics.median(r["step_s"]) for r in runs)
@@ -112,6 +120,7 @@ def speed_at_batch(model, cfg: SpeedConfig, batch: int, bandwidth: float, seed: 
         "achieved_gbs": step_bytes / tpot / 1e9,
         "roofline_tpot_s": step_bytes / bandwidth,
         "roofline_decode_tok_s": batch * bandwidth / step_bytes,
+        **decode,  # "decode": the mode that ran; "decode_fallback": why not cfg.decode's, where it fell back
     }
 
 
@@ -136,10 +145,11 @@ def compare_speed(models: dict, cfg: SpeedConfig) -> dict:
 
 
 def speed_on_devices(models: dict, cfg: SpeedConfig) -> dict:
-    """CPU figures always (the models as loaded); with a GPU present, the same measured on it
-    under "cuda" (models moved there and back), or why that failed."""
+    """Figures where the models are (evaluate.device). Models on the CPU with a GPU present
+    (evaluate.device: cpu) are measured on it too, under "cuda" (moved there and back), or
+    why that failed."""
     out = compare_speed(models, cfg)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or out["device"].startswith("cuda"):
         return out
     home = {name: next(m.parameters()).device for name, m in models.items()}
     try:
@@ -149,5 +159,6 @@ def speed_on_devices(models: dict, cfg: SpeedConfig) -> dict:
     finally:
         for name, m in models.items():
             m.to(home[name])
+        torch._dynamo.reset()  # compiled decode steps of the CUDA runs, and their CUDA graphs' memory pool
         torch.cuda.empty_cache()
     return out

@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-import torch
-
 from lowbit.calibrate.streaming import ShardedWeights
 
 from .baseline import cached_baseline
@@ -18,6 +16,7 @@ from .kl_streamed import streamed_kl_divergence
 from .memory import (ModelShape, fit_table, kv_cache_bytes, measure_peak, model_weight_bytes, predicted_total,
                      prefill_workspace_bytes)
 from .peak_probe import Loadable, measure_in_subprocess, prefill_and_decode, random_prompt
+from .placement import place, resolve_placement
 DEFAULT_KV_BYTES = 2.0  # a cache nothing quantizes: 16-bit keys and values
 
 
@@ -33,14 +32,16 @@ class Reference:
                  stream_from: Optional[str] = None):
         self.name, self._load, self._model, self._weight_bytes = name, load, None, weight_bytes
         self.stream_from = stream_from
+        self.placement = resolve_placement("cpu", "float32")  # evaluate() sets the evaluation's
 
     @property
     def available(self) -> bool:
         return self._load is not None
 
     def get(self):
+        """The reference, loaded on first use, on the evaluation's device and in its dtype."""
         if self._model is None:
-            self._model = self._load()
+            self._model = place(self._load(), self.placement)
         return self._model
 
     def weight_bytes(self) -> Optional[int]:
@@ -81,7 +82,9 @@ def quality_extras(model, tokenizer, cfg: EvaluateConfig, reference: Reference, 
     if cfg.kl.enabled and reference.available:
         out["kl"] = kl_divergence(reference.get(), model, tokenizer, cfg.perplexity, cfg.kl)
     elif cfg.kl.enabled and reference.stream_from:
-        out["kl"] = streamed_kl_divergence(reference.stream_from, model, tokenizer, cfg.perplexity, cfg.kl)
+        where = reference.placement
+        out["kl"] = streamed_kl_divergence(reference.stream_from, model, tokenizer, cfg.perplexity, cfg.kl,
+                                           device=where.device, dtype=where.dtype)
     if cfg.lm_eval.tasks:
         from .lm_tasks import LMEvalKey, run_lm_eval
 

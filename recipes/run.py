@@ -21,6 +21,7 @@ from lowbit.calibrate.hardware import cpu_info, resolve_device
 from lowbit.calibrate.offload import resolve_offload
 from lowbit.calibrate.models import load_model, local_model_folder
 from lowbit.evaluate.baseline import cached_baseline
+from lowbit.evaluate.placement import placement_of, resolve_placement
 from lowbit.evaluate.config import require_evaluation_packages
 from lowbit.evaluate.evaluation import evaluate
 from lowbit.evaluate.memory import model_weight_bytes
@@ -101,6 +102,7 @@ def check_run_output(recipe: Recipe, output: str | Path, overwrite: bool, shown:
         check_apart(Path(output), [("model folder", folder)], shown=shown)
     check_output_dir(Path(output), overwrite, shown=shown)
     require_evaluation_packages(recipe.evaluate)
+    resolve_placement(recipe.evaluate.device, recipe.evaluate.dtype)  # evaluate.device cuda without a GPU
 
 
 def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
@@ -116,10 +118,10 @@ def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
     preflight(recipe, model, tokenizer)  # NaN weights, a tokenizer the protocol cannot use: before any work
     info = model_info(recipe, model)
     baseline_bytes = model_weight_bytes(model, bytes_per_param=2)  # as a 16-bit checkpoint
-    if recipe.evaluate.baseline:  # into the cache evaluate() reads, while the model is still the baseline
+    if baseline_now(recipe, model):  # into the cache evaluate() reads, while the model is still the baseline
         protocol = recipe.evaluate.perplexity
         with timed("evaluate_s"):
-            cached_baseline(recipe.model, protocol, lambda: perplexity(model, tokenizer, protocol))
+            cached_baseline(recipe.model, protocol, lambda: perplexity(model, tokenizer, protocol), placement_of(model))
     arch = arch_for(model)
     ctx = step_context(recipe, model, arch, tokenizer, timed, progress)
     steps = apply_steps(recipe, ctx, progress, timed)
@@ -192,6 +194,13 @@ def apply_steps(recipe: Recipe, ctx: StepContext, progress: RunProgress, timed) 
             detail = apply_step(recipe, ctx, step)
         steps.append({"name": step.name, "seconds": time.perf_counter() - start, **detail})
     return steps
+
+
+def baseline_now(recipe: Recipe, model) -> bool:
+    """Whether the loaded model can give evaluation its baseline perplexity: only where it already
+    is where evaluation will run (a bfloat16 GPU evaluation measures its own)."""
+    cfg = recipe.evaluate
+    return cfg.baseline and placement_of(model) == resolve_placement(cfg.device, cfg.dtype).describe()
 
 
 def apply_step(recipe: Recipe, ctx: StepContext, step) -> dict:

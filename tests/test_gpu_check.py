@@ -60,3 +60,8 @@ def test_calibration_runs_both_recipes(dry_run):
     for run in runs:
         assert run["returncode"] == 0, run["tail"]
         assert run["results"]["audit"]["passed"] is True
+    for summary in dry_run[1]["calibration"]["evaluated"]:  # the evaluation as the GPU will run it
+        assert (summary["device"], summary["dtype"]) == ("cpu", "float32") and summary["kl_mean"] >= 0
+        rows = summary["speed"]
+        assert {(r["model"], r["batch"]) for r in rows} == {(m, b) for m in ("model", "baseline") for b in (1, 2)}
+        assert all(r["decode"] == "static" and r["fallback"] is None and r["tpot_s"] > 0 for r in rows)
