@@ -96,7 +96,7 @@ _GPT2 = Arch(  # Conv1D layers: weights stored (in, out)
 # mixtures of experts (calibrate/experts.py turns fused experts into per-expert linears): "{e}" in a
 # name stands for each expert index; names a layer lacks (a dense first layer's experts, a sparse
 # layer's dense MLP) are skipped there, and the audit's parameter count catches anything left float.
-# Routers (`mlp.gate`, Qwen2-MoE's `shared_expert_gate`) stay float on purpose.
+# Routers (`mlp.gate`, `mlp.router`, Qwen2-MoE's `shared_expert_gate`) stay float on purpose.
 _EXPERTS = (("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"), ("mlp.experts.{e}.down_proj",))
 _DENSE_MLP = (("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
@@ -129,6 +129,17 @@ _DEEPSEEK_V3 = Arch(
             SmoothPair("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",))),
 )
 
+# gpt-oss: attention with biases and sinks (softmax only: v -> o stays linear), routed experts alone
+_GPT_OSS = replace(_MOE, groups=(_QKV, ("self_attn.o_proj",), _EXPERTS[0], _EXPERTS[1]))
+# Llama 4 (text): the MoE block is `feed_forward` (routed experts and a shared one, both reading the
+# normed hidden state; the routed ones scaled by the router's score), dense layers between them
+_L4_FFN = (("feed_forward.gate_proj", "feed_forward.up_proj"), ("feed_forward.down_proj",))
+_L4_EXPERTS = tuple(tuple(n.replace("mlp.", "feed_forward.") for n in group) for group in _EXPERTS)
+_L4_SHARED = (("feed_forward.shared_expert.gate_proj", "feed_forward.shared_expert.up_proj"),
+              ("feed_forward.shared_expert.down_proj",))
+_LLAMA4 = replace(_MOE, groups=(_QKV, ("self_attn.o_proj",),
+                                 *(d + x + s for d, x, s in zip(_L4_FFN, _L4_EXPERTS, _L4_SHARED))))
+
 ARCHS: dict[str, Arch] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
@@ -145,6 +156,8 @@ ARCHS: dict[str, Arch] = {
     "olmoe": _MOE,
     "qwen2_moe": replace(_MOE, groups=_moe_groups((_QKV, ("self_attn.o_proj",)), shared="mlp.shared_expert")),
     "deepseek_v3": _DEEPSEEK_V3,
+    "gpt_oss": _GPT_OSS,
+    "llama4_text": _LLAMA4,
 }
 
 

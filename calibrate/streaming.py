@@ -20,6 +20,7 @@ import json
 import math
 import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -27,7 +28,8 @@ import torch
 from torch import nn
 
 from .checks import SAFE_INDEX, check_tensors_match, read_index, safetensors_files
-from .experts import module_name, unfuse_experts
+from .experts import (FUSED_TENSORS, PROJECTIONS, ExpertLinears, FusedLayout, expert_slices, module_name,
+                      unfuse_experts)
 from .hardware import return_freed_memory
 
 # tensors older checkpoints store that models now compute (transformers skips them on load too)
@@ -37,13 +39,16 @@ LEGACY_TENSORS = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
 class ShardedWeights:
     """The tensors of a safetensors checkpoint folder, read on demand."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, model: Optional[nn.Module] = None):
         self.folder = Path(folder)
         # tensors go by the names lowbit's modules hold (a Mixtral's stored `block_sparse_moe.experts.3.w1`
         # is `mlp.experts.3.gate_proj`: calibrate/experts.py)
         stored, model_type = self._tensor_shards(), stored_model_type(self.folder)
         self.stored_as = {module_name(model_type, n): n for n in stored}
         self.shard_of = {n: stored[s] for n, s in self.stored_as.items()}
+        # where `model` (a skeleton with split experts) reads experts the folder stores fused (gpt-oss,
+        # Llama 4): each per-expert parameter -> (experts module, expert, projection index, kind)
+        self.expert_parts = fused_expert_parts(model, self.shard_of) if model is not None else {}
 
     def _tensor_shards(self) -> dict[str, str]:
         """Tensor name -> file, from the index where there is one, else from each file's header."""
@@ -64,31 +69,50 @@ class ShardedWeights:
         return sum(math.prod(shape) for shape in self.shapes().values())
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Each tensor's shape, from the shards' headers (nothing is read)."""
+        """Each tensor's shape, from the shards' headers (nothing is read); fused experts read per
+        expert by their per-expert names."""
         shapes, module_of = {}, {stored: name for name, stored in self.stored_as.items()}
         for shard in sorted(set(self.shard_of.values())):
             with open_shard(self.folder / shard) as handle:
                 shapes.update({module_of.get(name, name): tuple(handle.get_slice(name).get_shape())
                                for name in handle.keys()})
-        return shapes
+        fused = {f"{part.module}.{k}": None for part in self.expert_parts.values() for k in FUSED_TENSORS}
+        metas = {k: torch.empty(shapes[k], device="meta") for k in fused if k in shapes}
+        for name, part in self.expert_parts.items():
+            shapes[name] = tuple(part.cut({k.rpartition(".")[2]: t for k, t in metas.items()
+                                           if k.startswith(part.module + ".")}, 0).shape)
+        return {k: v for k, v in shapes.items() if k not in fused}
 
     def __contains__(self, name: str) -> bool:
-        return name in self.shard_of
+        return name in self.shard_of or name in self.expert_parts
 
     def load(self, names: list[str], dtype: Optional[torch.dtype] = None, device=None) -> dict[str, torch.Tensor]:
         """The named tensors, their shard opened for each and closed after: a mapping kept open keeps
         every page read through it resident (a Llama-3-8B layer's 0.44 GB of bf16 pages beside its
         0.87 GB in float32: 1.44 against 1.05 GiB peak for one layer's load), and a header costs
         little to parse again."""
-        missing = [n for n in names if n not in self.shard_of]
+        missing = [n for n in names if n not in self]
         if missing:
             raise KeyError(f"{self.folder}: no tensor {missing[0]!r} in its safetensors files "
                            f"({len(self.shard_of)} tensors, e.g. {next(iter(self.shard_of), '-')!r})")
         tensors = {}
         for name in names:
+            if name in self.expert_parts:
+                tensors[name] = _cast(self._expert_part(self.expert_parts[name]), dtype, device)
+                continue
             with open_shard(self.folder / self.shard_of[name]) as handle:
                 tensors[name] = _cast(handle.get_tensor(self.stored_as[name]), dtype, device)
         return tensors
+
+    def _expert_part(self, part: "ExpertPart") -> torch.Tensor:
+        """One expert's projection weight or bias, from that expert's slice of the fused tensors only."""
+        slices = {}
+        for kind in FUSED_TENSORS:
+            name = f"{part.module}.{kind}"
+            if name in self.shard_of:
+                with open_shard(self.folder / self.shard_of[name]) as handle:
+                    slices[kind] = handle.get_slice(self.stored_as[name])[part.expert:part.expert + 1]
+        return part.cut(slices, 0).contiguous()
 
     def load_rows(self, name: str, rows: list[int], dtype: Optional[torch.dtype] = None, device=None) -> torch.Tensor:
         """Rows `rows` (ascending, distinct) of the tensor `name`, each run of consecutive rows read
@@ -101,6 +125,33 @@ class ShardedWeights:
         with open_shard(self.folder / self.shard_of[name]) as handle:
             whole = handle.get_slice(self.stored_as[name])
             return torch.cat([_cast(whole[a:b], dtype, device) for a, b in runs])
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """A per-expert parameter cut from an experts module's fused tensors."""
+
+    module: str  # the experts module (`model.layers.3.mlp.experts`)
+    expert: int
+    projection: int  # 0 gate, 1 up, 2 down
+    bias: bool
+    layout: FusedLayout
+
+    def cut(self, fused: dict, expert: int) -> torch.Tensor:
+        """This part of expert `expert` of the fused tensors `fused` (FUSED_TENSORS names)."""
+        return expert_slices(fused, expert, self.layout)[self.projection][int(self.bias)]
+
+
+def fused_expert_parts(model: nn.Module, stored: dict) -> dict[str, ExpertPart]:
+    """Per-expert parameter name -> its part, for each experts module of `model` stored fused."""
+    parts = {}
+    for name, module in model.named_modules():
+        if isinstance(module, ExpertLinears) and f"{name}.gate_up_proj" in stored:
+            for e, expert in enumerate(module):
+                for p, projection in enumerate(PROJECTIONS):
+                    for kind, _ in getattr(expert, projection).named_parameters():
+                        parts[f"{name}.{e}.{projection}.{kind}"] = ExpertPart(name, e, p, kind == "bias", module.layout)
+    return parts
 
 
 def stored_model_type(folder: Path) -> Optional[str]:

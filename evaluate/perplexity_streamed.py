@@ -58,7 +58,7 @@ class StreamedHidden:
         self.dtype, self.batches = dtype, batches
         self.model = empty_model(path, dtype, trust_remote_code)
         buffers_to(self.model, self.device)
-        self.weights = ShardedWeights(path)
+        self.weights = ShardedWeights(path, self.model)
         arch = arch_for(self.model)
         self.outer = outer_modules(self.model, arch.layers)
         head = self.model.get_output_embeddings()

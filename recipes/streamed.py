@@ -142,7 +142,7 @@ def load_skeleton(recipe: Recipe, folder: str):
     check_model_source(folder, recipe.trust_remote_code)  # a decoder LM, its own code allowed: before it runs
     tokenizer = load_tokenizer(folder, recipe.trust_remote_code)
     model = empty_model(folder, CALIBRATION_DTYPE, recipe.trust_remote_code)
-    weights = ShardedWeights(folder)
+    weights = ShardedWeights(folder, model)
     check_weights_match(model, weights)
     return model, tokenizer, weights, time.perf_counter() - start
 

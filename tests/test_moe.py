@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 
 from tiny_models import SMALL_RUN
-from tiny_moe import EXPERTS, MOE_TYPES, expert_layers, moe_config, save_tiny_moe
+from tiny_moe import EXPERTS, MOE_TYPES, expert_layers, experts_at, moe_config, save_tiny_moe
+from lowbit.calibrate.experts import HUB_FUSED, PER_EXPERT_WHEN_QUANTIZED
 from lowbit.calibrate.arch import arch_for, target_linears
 from lowbit.calibrate.experts import ExpertLinears, module_name, stored_name, unfuse_experts
 from lowbit.recipes.cli import main
@@ -19,8 +20,8 @@ from lowbit.recipes.cli import main
 RUN_SETS = [f"--set={s}" for s in SMALL_RUN]
 # per decoder layer with experts: routed experts' projections; plus attention (and dense/shared MLPs)
 ATTENTION = {"deepseek_v3": 5}  # q_a, q_b, kv_a, kv_b, o
-SHARED = {"qwen2_moe": 3, "deepseek_v3": 3}
-DENSE_MLP = {"deepseek_v3": 3}  # its first layer
+SHARED = {"qwen2_moe": 3, "deepseek_v3": 3, "llama4_text": 3}
+DENSE_MLP = {"deepseek_v3": 3, "llama4_text": 3}  # their first layer
 
 
 def expected_linears(model_type: str) -> int:
@@ -55,7 +56,7 @@ def test_split_experts_compute_what_the_fused_module_did(model_type):
     names = target_linears(model, arch)
     assert len(names) == expected_linears(model_type)
     layer = expert_layers(model_type)[-1]
-    assert f"model.layers.{layer}.mlp.experts.{EXPERTS - 1}.down_proj" in names
+    assert f"model.layers.{layer}.{experts_at(model_type)}.{EXPERTS - 1}.down_proj" in names
 
 
 @pytest.mark.parametrize("model_type", MOE_TYPES)
@@ -147,23 +148,107 @@ def test_every_expert_is_quantized_audited_exported_and_reloads_in_transformers(
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     layer = expert_layers(model_type)[-1]
-    expert = stored_name(model_type, f"model.layers.{layer}.mlp.experts.{EXPERTS - 1}.down_proj")
+    expert = stored_name(model_type, f"model.layers.{layer}.{experts_at(model_type)}.{EXPERTS - 1}.down_proj")
     suffix = ".weight" if recipe.startswith("fp8") else ".weight_packed"
     assert expert + suffix in keys and not any("gate_up_proj" in k for k in keys)
     ids = torch.randint(3, 500, (1, 16), generator=torch.Generator().manual_seed(2))
     ours = lowbit_logits(out, ids)
     assert torch.isfinite(ours).all()
-    if RELOADED[recipe]:
-        theirs = reload_in_transformers(out, ids)
-        if recipe.startswith("fp8"):
-            # compressed-tensors dequantizes in the bf16 scales' dtype, and an activation quantized at
-            # run time then lands on the other side of an FP8 rounding boundary now and then: the
-            # same argmax, a small mean gap (DeepSeek-V3's chained latent projections: 0.0057 mean,
-            # 0.099 at one position, on a logit scale of 1.18)
-            assert float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()) >= 0.9
-            assert float((ours - theirs).abs().mean()) <= 0.02
-        else:  # int4: both dequantize the same codes, in another order
-            assert float((ours - theirs).abs().max()) <= 2e-3 * float(ours.abs().max())
+    unread = "leave these per-expert quantized experts unread" in (out / "README.md").read_text()
+    assert unread == (model_type in HUB_FUSED and model_type not in PER_EXPERT_WHEN_QUANTIZED)  # the card says so
+    if unread:  # transformers reads no per-expert tensors for gpt-oss: dequantize them ourselves
+        assert_close_logits(recipe, ours, fused_float_model(out)(ids).logits.detach())
+    elif RELOADED[recipe]:
+        assert_close_logits(recipe, ours, reload_in_transformers(out, ids))
+
+
+def assert_close_logits(recipe: str, ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    if recipe.startswith("fp8"):
+        # activations quantized at run time land on the other side of an FP8 rounding boundary now and
+        # then (compressed-tensors dequantizes in the bf16 scales' dtype; the float twin of a HUB_FUSED
+        # family quantizes none): the same argmax, a small mean gap (DeepSeek-V3's chained latent
+        # projections: 0.0057 mean, 0.099 at one position, on a logit scale of 1.18)
+        assert float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()) >= 0.9
+        assert float((ours - theirs).abs().mean()) <= 0.02
+    else:  # int4: both dequantize the same codes, in another order
+        assert float((ours - theirs).abs().max()) <= 2e-3 * float(ours.abs().max())
+
+
+@pytest.mark.parametrize("model_type", HUB_FUSED)
+def test_float_experts_of_a_family_the_hub_stores_fused_are_written_as_transformers_reads_them(sources, model_type,
+                                                                                              tmp_path):
+    """gpt-oss and Llama 4 checkpoints keep their experts fused, and transformers reads a float
+    checkpoint only so: a dense export writes them fused, as do ignored experts beside quantized
+    attention for gpt-oss; for a quantized Llama 4 transformers swaps in per-expert linears, float or not."""
+    ids = torch.randint(3, 500, (1, 16), generator=torch.Generator().manual_seed(2))
+    runs = {"ignored": [r"--set=ignore=[lm_head, 're:.*\.experts\..*']"], "dense": ["--set=export.format=dense"]}
+    for name, sets in runs.items():
+        out = tmp_path / name
+        assert main(["run", "w4a16-rtn", "--model", str(sources[model_type]), "--output", str(out), *RUN_SETS,
+                     *sets]) == 0
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            keys = set(f.keys())
+        experts = f"model.layers.{expert_layers(model_type)[-1]}.{experts_at(model_type)}"
+        per_expert = name == "ignored" and model_type in PER_EXPERT_WHEN_QUANTIZED
+        assert (f"{experts}.gate_up_proj" in keys) != per_expert, name
+        assert (f"{experts}.0.gate_proj.weight" in keys) == per_expert, name
+        assert (f"{experts}.gate_up_proj_bias" in keys) == (model_type == "gpt_oss"), name
+        assert "experts unread" not in (out / "README.md").read_text()
+        ours, theirs = lowbit_logits(out, ids), reload_in_transformers(out, ids)
+        assert float((ours - theirs).abs().max()) <= 2e-3 * float(ours.abs().max()), name
+
+
+def fused_float_model(folder):
+    """The export's float equivalent in plain transformers, built without lowbit's reader: each
+    quantized module dequantized by compressed-tensors' own decompressor (FP8: weight x scale), the
+    per-expert weights stacked into the family's fused hub layout (gpt-oss: [E, H, 2I] with gate
+    and up alternating, and biases; Llama 4: [E, H, 2I], gate first), loaded strictly."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    groups = config.quantization_config["config_groups"]
+    (group,) = groups.values()
+    scheme = QuantizationScheme(targets=group["targets"], weights=QuantizationArgs(**group["weights"]))
+    stored = load_file(str(folder / "model.safetensors"))
+    tensors = {}
+    for key, tensor in stored.items():
+        module, _, kind = key.rpartition(".")
+        if kind == "weight_packed":
+            state = {k.rpartition(".")[2]: v for k, v in stored.items() if k.rpartition(".")[0] == module}
+            tensors[f"{module}.weight"] = PackedQuantizationCompressor.decompress(state, scheme)["weight"].float()
+        elif kind == "weight" and tensor.dtype == torch.float8_e4m3fn:
+            tensors[key] = tensor.float() * stored[f"{module}.weight_scale"].float()
+        elif kind in ("bias", "weight") or "." not in kind and not kind.startswith("weight_"):
+            tensors[key] = tensor.float()
+    for prefix in sorted({k.split(".experts.")[0] for k in tensors if ".experts." in k}):
+        def part(e, projection, kind="weight"):
+            return tensors.pop(f"{prefix}.experts.{e}.{projection}.{kind}", None)
+
+        gate_up, down, gate_up_bias, down_bias = [], [], [], []
+        for e in range(EXPERTS):
+            gate, up = part(e, "gate_proj").T, part(e, "up_proj").T  # [H, I]: x @ W
+            interleaved = config.model_type == "gpt_oss"
+            gate_up.append(torch.stack([gate, up], dim=2).reshape(gate.shape[0], -1) if interleaved
+                           else torch.cat([gate, up], dim=1))
+            down.append(part(e, "down_proj").T)
+            if interleaved:
+                biases = [part(e, "gate_proj", "bias"), part(e, "up_proj", "bias")]
+                gate_up_bias.append(torch.stack(biases, 1).reshape(-1))
+                down_bias.append(part(e, "down_proj", "bias"))
+        tensors[f"{prefix}.experts.gate_up_proj"] = torch.stack(gate_up)
+        tensors[f"{prefix}.experts.down_proj"] = torch.stack(down)
+        if gate_up_bias:
+            tensors[f"{prefix}.experts.gate_up_proj_bias"] = torch.stack(gate_up_bias)
+            tensors[f"{prefix}.experts.down_proj_bias"] = torch.stack(down_bias)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # a tied head
+    model.tie_weights()
+    return model
 
 
 def audit_router_params(model_type: str) -> int:
@@ -283,10 +368,11 @@ def test_split_layers_are_expert_linears_in_a_loaded_model(sources):
     assert not any(p.ndim == 3 for p in model.parameters())
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "llama4_text"])
 def test_streamed_and_resident_runs_write_the_same_bytes(sources, model_type, tmp_path):
     """A streamed run reads each layer's per-expert tensors from the shards (Mixtral's under the
-    hub's block_sparse_moe names) into the same expert linears as a resident run."""
+    hub's block_sparse_moe names; gpt-oss's and Llama 4's cut one expert at a time from the fused
+    tensors the hub stores) into the same expert linears as a resident run."""
     written = []
     for streaming in ("false", "true"):
         out = tmp_path / f"streaming-{streaming}"
@@ -334,3 +420,45 @@ def test_two_ranks_solve_the_experts_of_one_rank_and_count_every_token(starving,
     records = [gptq_layers(tmp_path / run) for run in ("one", "two")]
     for a, b in zip(*records):
         assert a["routed_tokens"] == b["routed_tokens"] and a["expert_fallbacks"] == b["expert_fallbacks"]
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+@pytest.mark.parametrize("mode", ["all_experts", "routed"])
+def test_a_statistics_forward_computes_what_the_model_does(model_type, mode):
+    """What the experts' linears see changes with calibration.moe; the layer's output never does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lowbit.calibrate.experts import ExpertCalibration, calibrating, recording
+    from lowbit.calibrate.models import resolve_model_path
+
+    torch.manual_seed(0)
+    config = moe_config(model_type, AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m")))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    unfuse_experts(model)
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(ids).logits
+        with calibrating(ExpertCalibration(mode=mode)), recording(None):
+            recorded = model(ids).logits
+    torch.testing.assert_close(recorded, plain, atol=1e-5, rtol=1e-5)
+    routed = [m.routed for m in model.modules() if isinstance(m, ExpertLinears)]
+    top_k = config.get_text_config().num_experts_per_tok
+    assert all(sum(r) == ids.numel() * top_k for r in routed)  # every token counted once per pick
+
+
+@pytest.mark.parametrize("mode", ["all_experts", "routed"])
+def test_llama4_experts_statistics_see_the_layers_tokens_or_their_own(sources, mode, tmp_path):
+    """Llama 4 scales each picked expert's input by its score: under all_experts every expert's
+    statistics see all the layer's tokens (each scaled by that expert's own score), under routed
+    only those the router sent it (top-1: the counts sum to the tokens)."""
+    out = tmp_path / mode
+    assert main(["run", "w4a16-gptq", "--model", str(sources["llama4_text"]), "--output", str(out), *RUN_SETS,
+                 f"--set=calibration.moe={mode}"]) == 0
+    tokens = 2 * 32
+    (record,) = [r for r in gptq_layers(out) if "routed_tokens" in r]
+    routed = record["routed_tokens"]["model.layers.1.feed_forward.experts"]
+    seen = record["expert_statistics_tokens"]
+    assert sum(routed) == tokens and len(seen) == EXPERTS * 3
+    for name, count in seen.items():
+        expert = int(name.split(".experts.")[1].split(".")[0])
+        assert count == (tokens if mode == "all_experts" else routed[expert]), name

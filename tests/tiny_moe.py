@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-MOE_TYPES = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3"]
+MOE_TYPES = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss", "llama4_text"]
 EXPERTS = 4
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
@@ -16,17 +16,24 @@ EXTRA = {
     "olmoe": dict(num_experts=EXPERTS, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=64,
                       shared_expert_intermediate_size=128),
-    # layer 0 dense (first_k_dense_replace), layer 1 routed experts and a shared one; latent attention
-    # not split into linears by lowbit (transposed, with biases): its experts stay fused
-    "gpt_oss": dict(num_local_experts=EXPERTS, num_experts_per_tok=2, head_dim=16,
+    # experts transposed, gate and up interleaved, with biases; attention with biases and sinks
+    "gpt_oss": dict(num_local_experts=EXPERTS, num_experts_per_tok=2, head_dim=16, intermediate_size=64,
                     layer_types=["sliding_attention", "full_attention"]),
+    # layer 0 dense (interleave step 2), layer 1 top-1 routed experts scaled on input and a shared one
+    "llama4_text": dict(num_local_experts=EXPERTS, num_experts_per_tok=1, head_dim=16, intermediate_size=64,
+                        intermediate_size_mlp=128, interleave_moe_layer_step=2),
+    # not in lowbit's table and its experts class not split (tests of what lowbit does with such a model)
+    "phimoe": dict(num_local_experts=EXPERTS, num_experts_per_tok=2),
+    # layer 0 dense (first_k_dense_replace), layer 1 routed experts and a shared one; multi-head latent attention
     "deepseek_v3": dict(n_routed_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=64,
                         n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=64,
                         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
                         rope_scaling=None, num_key_value_heads=4),  # latent attention: k/v for every head
 }
 # per layer: routed experts x (gate, up, down), the dense layers' MLP, a shared expert's projections
-EXPERT_LAYERS = {"deepseek_v3": [1]}
+EXPERT_LAYERS = {"deepseek_v3": [1], "llama4_text": [1]}
+# inside a decoder layer, where the routed experts sit
+EXPERTS_AT = {"llama4_text": "feed_forward.experts"}
 
 
 def moe_config(model_type: str, tokenizer, **overrides):
@@ -51,3 +58,7 @@ def save_tiny_moe(folder, model_type: str, seed: int = 0, **overrides):
 
 def expert_layers(model_type: str) -> list[int]:
     return EXPERT_LAYERS.get(model_type, [0, 1])
+
+
+def experts_at(model_type: str) -> str:
+    return EXPERTS_AT.get(model_type, "mlp.experts")

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from lowbit.calibrate.checks import read_index
-from lowbit.calibrate.experts import stored_name, unfuse_experts
+from lowbit.calibrate.experts import fuse_float_experts, stored_name, unfuse_experts
 from lowbit.calibrate.model_config import check_model_source, code_modules
 from lowbit.calibrate.models import resolve_model_path
 from lowbit.export import kv_scales
@@ -131,6 +131,7 @@ def weights_to(sink: Callable[[dict, Path, dict], None], tensors: bool = True):
 def write_folder(folder: Path, model, tokenizer, tensors: dict, config: dict, extra_files: dict[str, str]) -> None:
     sink, metadata = _weights_sink.get(), {"format": "pt"}
     model_type = getattr(model.config, "model_type", None)
+    tensors = fuse_float_experts(model, tensors, quant_method(config))  # gpt-oss, Llama 4: as their hub stores them
     tensors = {stored_name(model_type, k): t for k, t in tensors.items()}  # the hub's per-expert names
     if sink is not None:
         sink(tensors, folder / WEIGHTS, metadata)

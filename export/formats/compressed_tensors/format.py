@@ -3,7 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import warnings
+
 import torch
+
+from lowbit.calibrate.experts import transformers_reads_per_expert
 
 from ..base import ExportFormat
 from ..hf_folder import (checkpoint_tensors, float_linears, quant_method, quantized_modules,
@@ -24,6 +28,9 @@ class CompressedTensorsFormat(ExportFormat):
         tensors = checkpoint_tensors(model, quantized, getattr(torch, cfg.dtype), module_tensors)
         qconfig = quantization_config(quantized, float_linears(model, quantized))
         write_quantized(folder, model, tokenizer, tensors, qconfig if quantized else None, cfg.dtype, extra_files)
+        model_type = model.config.model_type
+        if any(".experts." in n for n in quantized) and not transformers_reads_per_expert(model_type, QUANT_METHOD):
+            warnings.warn(f"{model_type}: {EXPERTS_UNREAD}", stacklevel=2)
 
     def detects(self, config: dict) -> bool:
         return quant_method(config) == QUANT_METHOD
@@ -52,7 +59,22 @@ class CompressedTensorsFormat(ExportFormat):
             load = "AutoModelForCausalLM.from_pretrained(path, quantization_config=CompressedTensorsConfig(dequantize=True))"
             note = ["Asymmetric weights: compressed-tensors 0.20.1's default (compressed) load path rejects packed",
                     "zero points, so dequantize on load as above."]
+        if not transformers_reads_per_expert(config.get("model_type"), QUANT_METHOD) and _quantized_experts(config):
+            note.append(EXPERTS_UNREAD)
         return ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig",
                 f"model = {load}  # needs the compressed-tensors package",
                 "tokenizer = AutoTokenizer.from_pretrained(path)", "```", *note,
                 "vLLM reads the compressed-tensors format too (`vllm serve path`); lowbit's tests cover transformers."]
+
+
+EXPERTS_UNREAD = ("transformers 5.x reads this family's experts only fused ([experts, ...] tensors), so it would "
+                  "leave these per-expert quantized experts unread and initialize its own at random: load the "
+                  "checkpoint with lowbit (`lowbit.export.reader.load(path)`) or a runtime that reads per-expert "
+                  "tensors (llm-compressor's layout), or keep the experts float (ignore `re:.*\\.experts\\..*`).")
+
+
+def _quantized_experts(config: dict) -> bool:
+    """Whether any routed expert's projection is quantized: not all of them in the ignore list."""
+    ignored = [n for n in config["quantization_config"].get("ignore") or [] if ".experts." in n]
+    layers, experts = config.get("num_hidden_layers", 0), config.get("num_local_experts", 0)
+    return len(ignored) < layers * experts * 3
