@@ -84,28 +84,29 @@ def batch_logits(model, run: Callable[[dict], object], label: str = "") -> Batch
 
     handle = head.register_forward_pre_hook(keep_and_cut) if head is not None else None
     try:
-        out = run(keep_all_positions(model))
+        out = run(logits_to_keep(model, 0))
     finally:
         if handle is not None:
             handle.remove()
     hidden = kept.get("hidden")
     if hidden is None or hidden.dim() != 3:
         return _unreproduced(model, head, out.logits, label, "its LM head was not called on the hidden states",
-                             rerun=lambda: run(keep_all_positions(model)))
+                             rerun=lambda: run(logits_to_keep(model, 0)))
     own = out.logits[:, -1]
     mine = head(hidden[:, -1:])[:, -1]
     for name, transform in head_transforms(model.config):
         if _agree(transform(mine), own):
             return BatchLogits(head, own.shape[-1], hidden, transform, post=name)
     return _unreproduced(model, head, None, label, "no known logit post-processing matches its own logits",
-                         rerun=lambda: run(keep_all_positions(model)))
+                         rerun=lambda: run(logits_to_keep(model, 0)))
 
 
-def keep_all_positions(model) -> dict:
-    """Forward kwargs under which the head sees every position (logits_to_keep=0 keeps all)."""
+def logits_to_keep(model, positions: int) -> dict:
+    """Forward kwargs under which the head computes the logits of the last `positions` positions
+    (0: every one), where the model's forward takes logits_to_keep; {} (all of them) where not."""
     import inspect
 
-    return {"logits_to_keep": 0} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    return {"logits_to_keep": positions} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def _agree(mine: torch.Tensor, own: torch.Tensor) -> bool:

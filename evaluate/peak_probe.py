@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .memory import measure_peak, proc_status_bytes
+from .placement import DTYPES
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,9 @@ def prefill_and_decode(model, ids: torch.Tensor, decode_tokens: int, chunk: int 
     from lowbit.calibrate.cached_forward import cached_forward
 
     from .kv_cache import cache_nbytes
-    from .speed import last_logits_only
+    from .logits import logits_to_keep
 
-    extra, cache = last_logits_only(model), None  # the first forward makes the cache
+    extra, cache = logits_to_keep(model, 1), None  # the first forward makes the cache
     device = next(model.parameters()).device
     for start in range(0, ids.shape[1], chunk or ids.shape[1]):
         part = ids[:, start : start + (chunk or ids.shape[1])]
@@ -87,8 +88,6 @@ def probe(source: Loadable, batch: int, context: int, decode_tokens: int, repeat
     start = _rss()
     model, _, _ = load_target(source.target, source.trust_remote_code, source.allow_pickle)
     if source.dtype != "float32":
-        from .placement import DTYPES
-
         model.to(DTYPES[source.dtype])
     load_peak = proc_status_bytes("VmHWM") if _HAS_PROC else None
     compacted = None
@@ -148,7 +147,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--allow-pickle", action="store_true")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     a = parser.parse_args(argv)
     figures = probe(Loadable(a.target, a.trust_remote_code, a.allow_pickle, a.dtype), a.batch, a.context, a.decode_tokens,
                     a.repeats, a.prefill_chunk, a.lean)

@@ -8,7 +8,6 @@ one asked for where it fell back. `warmup` discarded runs, then medians over `re
 """
 from __future__ import annotations
 
-import inspect
 import statistics
 import time
 from collections import Counter
@@ -21,14 +20,10 @@ from lowbit.calibrate.hardware import cpu_info
 from lowbit.quantize.runtime.backends import prepare
 
 from .config import SpeedConfig
+from .logits import logits_to_keep
 from .memory import ModelShape, kv_cache_bytes, packed_tensor_bytes
 from .static_decode import StaticDecoder, prepared_decoder
 from .static_decode import sync as _sync
-
-
-def last_logits_only(model) -> dict:
-    """Forward kwargs that compute the logits of the last position only, where the model can."""
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 @torch.inference_mode()
@@ -42,7 +37,7 @@ def timed_generation(model, prompts: torch.Tensor, new_tokens: int, decoder: Sta
             raise ValueError(f"the decoder was prepared for {decoder.new_tokens} new tokens, asked for {new_tokens}")
         return decoder.generate(prompts)
     device = next(model.parameters()).device
-    extra = last_logits_only(model)
+    extra = logits_to_keep(model, 1)
     prompts = prompts.to(device)
     _sync(device)
     start = time.perf_counter()

@@ -23,6 +23,8 @@ from transformers.cache_utils import StaticCache
 
 from lowbit.calibrate.cached_forward import cache_keyword, cached_forward
 
+from .logits import logits_to_keep
+
 DECODE_MODES = ("eager", "static", "compiled")
 COMPILE_WARMUP_STEPS = 3  # CUDA graph trees run a new graph once, record it on the next call, then replay
 
@@ -133,9 +135,7 @@ class StaticDecoder:
         self.compiled = compiled
         self.cache = make_static_cache(model, prompt_len + new_tokens)
         self.keyword = cache_keyword(model)
-        from .speed import last_logits_only  # here: speed imports this module
-
-        self.extra = last_logits_only(model)  # as the eager path
+        self.extra = logits_to_keep(model, 1)  # as the eager path
         self.prefill_inputs = position_inputs(model, 0, prompt_len, self.device)
         # one small tensor per step, made once: no host-to-device copy inside a timed step
         self.step_inputs = [position_inputs(model, prompt_len + i, 1, self.device) for i in range(new_tokens - 1)]
