@@ -105,14 +105,12 @@ class ShardedWeights:
         return tensors
 
     def _expert_part(self, part: "ExpertPart") -> torch.Tensor:
-        """One expert's projection weight or bias, from that expert's slice of the fused tensors only."""
-        slices = {}
-        for kind in FUSED_TENSORS:
-            name = f"{part.module}.{kind}"
-            if name in self.shard_of:
-                with open_shard(self.folder / self.shard_of[name]) as handle:
-                    slices[kind] = handle.get_slice(self.stored_as[name])[part.expert:part.expert + 1]
-        return part.cut(slices, 0).contiguous()
+        """One expert's projection weight or bias, read from that expert's slice of the one fused
+        tensor holding it."""
+        name = f"{part.module}.{part.fused}"
+        with open_shard(self.folder / self.shard_of[name]) as handle:
+            expert = handle.get_slice(self.stored_as[name])[part.expert:part.expert + 1]
+        return part.cut({part.fused: expert}, 0).contiguous()
 
     def load_rows(self, name: str, rows: list[int], dtype: Optional[torch.dtype] = None, device=None) -> torch.Tensor:
         """Rows `rows` (ascending, distinct) of the tensor `name`, each run of consecutive rows read
@@ -136,6 +134,11 @@ class ExpertPart:
     projection: int  # 0 gate, 1 up, 2 down
     bias: bool
     layout: FusedLayout
+
+    @property
+    def fused(self) -> str:
+        """The fused tensor (a FUSED_TENSORS name) this part is cut from."""
+        return ("down_proj" if self.projection == 2 else "gate_up_proj") + ("_bias" if self.bias else "")
 
     def cut(self, fused: dict, expert: int) -> torch.Tensor:
         """This part of expert `expert` of the fused tensors `fused` (FUSED_TENSORS names)."""

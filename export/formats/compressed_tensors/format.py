@@ -1,9 +1,8 @@
 """The compressed-tensors checkpoint format: what vLLM and transformers load natively."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import warnings
+from pathlib import Path
 
 import torch
 
