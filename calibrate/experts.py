@@ -168,13 +168,14 @@ class ExpertLinears(nn.ModuleList):
         if every and self.layout.scales_input and every_weight is None:
             raise ValueError("an input-scaling experts module needs every expert's weight under all_experts")
         kept = hidden[valid]  # one tensor for every expert: their statistics hooks share it
+        kept_weight = every_weight[valid] if every_weight is not None else None
         row_of = torch.cumsum(valid, 0) - 1  # token -> its row in `kept`
         out = torch.zeros_like(hidden)
         for e, expert in enumerate(self):
             pos, token = torch.where((index == e).T & valid)
             self.routed[e] += int(token.numel())
             if every and self.layout.scales_input:  # a routed token's weight is its every_weight: same output
-                y = expert(kept * every_weight[valid][:, e, None])[row_of[token]]
+                y = expert(kept * kept_weight[:, e, None])[row_of[token]]
             elif every:
                 y = expert(kept)[row_of[token]] * weights[token, pos, None]
             elif token.numel():
@@ -200,7 +201,8 @@ class ScoredInputMoe(nn.Module):
         hidden = hidden_states.reshape(-1, self.hidden_dim)
         scores, logits = self.router(hidden)  # scores: sigmoid of the top-k logits, 0 elsewhere
         index = torch.topk(logits, self.top_k, dim=1).indices  # the router's own pick, recomputed
-        every = torch.sigmoid(logits.float()).to(scores.dtype)
+        # every expert's would-be score: what its statistics see under all_experts (statistics forwards only)
+        every = torch.sigmoid(logits.float()).to(scores.dtype) if _token_mask.get() is not None else None
         out = self.shared_expert(hidden)
         out.add_(self.experts(hidden, index, scores.gather(1, index), every))
         return out, logits
