@@ -21,6 +21,12 @@ class SmoothPair:
 
     prev: str  # a norm (input_layernorm) or a linear whose output rows feed `linears`
     linears: tuple[str, ...]
+    # modules that also read prev's output and take the inverse scale into their weight's input
+    # columns, neither quantized nor searched: a mixture's router, whose logits so stay as they were
+    passengers: tuple[str, ...] = ()
+    # the module whose output judges a scaling and whose input is the statistic, where the linears sit
+    # in several (a mixture's MoE block: its experts see only the tokens routed to them)
+    block: str = ""
 
 
 @dataclass(frozen=True)
@@ -108,10 +114,22 @@ def _moe_groups(attention, shared: str = "") -> tuple[tuple[str, ...], ...]:
     return (*attention, *(d + x + s for d, x, s in zip(_DENSE_MLP, _EXPERTS, extra)))
 
 
+
+
+def _mlp_pairs(block: str = "mlp", shared: str = "", passengers: tuple[str, ...] = ("gate",)) -> tuple[SmoothPair, ...]:
+    """The MLP input norm into a MoE block's experts (and shared expert), its routers passengers; or,
+    in a dense layer, into the MLP's gate and up (layer_pairs keeps the one a layer holds)."""
+    experts = tuple(n.replace("mlp.", f"{block}.") for n in _EXPERTS[0])
+    shared_in = (f"{shared}.gate_proj", f"{shared}.up_proj") if shared else ()
+    return (SmoothPair("post_attention_layernorm", experts + shared_in,
+                       passengers=tuple(f"{block}.{p}" for p in passengers), block=block),
+            SmoothPair("post_attention_layernorm", (f"{block}.gate_proj", f"{block}.up_proj")))
+
+
 _MOE = Arch(
     layers="model.layers",
     groups=_moe_groups((_QKV, ("self_attn.o_proj",))),
-    smooth=(SmoothPair("input_layernorm", _QKV), SmoothPair("self_attn.v_proj", ("self_attn.o_proj",))),
+    smooth=(SmoothPair("input_layernorm", _QKV), SmoothPair("self_attn.v_proj", ("self_attn.o_proj",)), *_mlp_pairs()),
     k_proj="self_attn.k_proj",
     v_proj="self_attn.v_proj",
 )
@@ -123,14 +141,21 @@ _DEEPSEEK_V3 = Arch(
     groups=_moe_groups((_MLA_INPUT, ("self_attn.q_b_proj",), ("self_attn.kv_b_proj",), ("self_attn.o_proj",)),
                        shared="mlp.shared_experts"),
     # each latent's norm feeds one projection alone (kv_a's rotary slice bypasses kv_a_layernorm: a
-    # scale folded there leaves it untouched); no MLP pair: the experts' norm also feeds the router
+    # scale folded there leaves it untouched)
     smooth=(SmoothPair("input_layernorm", _MLA_INPUT),
             SmoothPair("self_attn.q_a_layernorm", ("self_attn.q_b_proj",)),
-            SmoothPair("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",))),
+            SmoothPair("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",)),
+            *_mlp_pairs(shared="mlp.shared_experts")),
 )
 
+# GLM-4.5: DeepSeek-V3's mixture (sigmoid router with grouped top-k, shared experts, dense first
+# layers) under grouped-query attention (q/k norms optional, partial rotary: neither changes a pair)
+_GLM4_MOE = replace(_MOE, groups=_moe_groups((_QKV, ("self_attn.o_proj",)), shared="mlp.shared_experts"),
+                    smooth=(*_MOE.smooth[:2], *_mlp_pairs(shared="mlp.shared_experts")))
+
 # gpt-oss: attention with biases and sinks (softmax only: v -> o stays linear), routed experts alone
-_GPT_OSS = replace(_MOE, groups=(_QKV, ("self_attn.o_proj",), _EXPERTS[0], _EXPERTS[1]))
+_GPT_OSS = replace(_MOE, groups=(_QKV, ("self_attn.o_proj",), _EXPERTS[0], _EXPERTS[1]),
+                   smooth=(*_MOE.smooth[:2], *_mlp_pairs(passengers=("router",))))
 # Llama 4 (text): the MoE block is `feed_forward` (routed experts and a shared one, both reading the
 # normed hidden state; the routed ones scaled by the router's score), dense layers between them
 _L4_FFN = (("feed_forward.gate_proj", "feed_forward.up_proj"), ("feed_forward.down_proj",))
@@ -138,7 +163,8 @@ _L4_EXPERTS = tuple(tuple(n.replace("mlp.", "feed_forward.") for n in group) for
 _L4_SHARED = (("feed_forward.shared_expert.gate_proj", "feed_forward.shared_expert.up_proj"),
               ("feed_forward.shared_expert.down_proj",))
 _LLAMA4 = replace(_MOE, groups=(_QKV, ("self_attn.o_proj",),
-                                 *(d + x + s for d, x, s in zip(_L4_FFN, _L4_EXPERTS, _L4_SHARED))))
+                                 *(d + x + s for d, x, s in zip(_L4_FFN, _L4_EXPERTS, _L4_SHARED))),
+                  smooth=(*_MOE.smooth[:2], *_mlp_pairs("feed_forward", "feed_forward.shared_expert", ("router",))))
 
 ARCHS: dict[str, Arch] = {
     "llama": _LLAMA,
@@ -154,8 +180,11 @@ ARCHS: dict[str, Arch] = {
     "qwen3_moe": _MOE,
     "mixtral": _MOE,
     "olmoe": _MOE,
-    "qwen2_moe": replace(_MOE, groups=_moe_groups((_QKV, ("self_attn.o_proj",)), shared="mlp.shared_expert")),
+    "qwen2_moe": replace(_MOE, groups=_moe_groups((_QKV, ("self_attn.o_proj",)), shared="mlp.shared_expert"),
+                         smooth=(*_MOE.smooth[:2], *_mlp_pairs(shared="mlp.shared_expert",
+                                                               passengers=("gate", "shared_expert_gate")))),
     "deepseek_v3": _DEEPSEEK_V3,
+    "glm4_moe": _GLM4_MOE,
     "gpt_oss": _GPT_OSS,
     "llama4_text": _LLAMA4,
 }
@@ -168,8 +197,8 @@ def layer_pairs(layer: nn.Module, pairs) -> list[SmoothPair]:
     out = []
     for pair in pairs:
         linears = tuple(n for n in pair.linears if n in present)
-        if pair.prev in present and linears:
-            out.append(replace(pair, linears=linears))
+        if pair.prev in present and linears and (not pair.block or pair.block in present):
+            out.append(replace(pair, linears=linears, passengers=tuple(n for n in pair.passengers if n in present)))
     return out
 
 
@@ -203,10 +232,13 @@ def with_experts(arch: Arch, experts: int) -> Arch:
     """The row with each "{e}" name written out once per expert index (none for a dense model)."""
     if not any("{e}" in n for n in arch.linears):
         return arch
-    groups = tuple(tuple(n for n in group if "{e}" not in n)
-                   + tuple(n.format(e=e) for e in range(experts) for n in group if "{e}" in n)
-                   for group in arch.groups)
-    return replace(arch, groups=tuple(g for g in groups if g))
+    def written(names: tuple[str, ...]) -> tuple[str, ...]:
+        return (tuple(n for n in names if "{e}" not in n)
+                + tuple(n.format(e=e) for e in range(experts) for n in names if "{e}" in n))
+
+    groups = tuple(written(group) for group in arch.groups)
+    smooth = tuple(replace(pair, linears=written(pair.linears)) for pair in arch.smooth)
+    return replace(arch, groups=tuple(g for g in groups if g), smooth=tuple(p for p in smooth if p.linears))
 
 
 def _fallback_arch(model: nn.Module, model_type) -> Arch:

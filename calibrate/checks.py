@@ -129,7 +129,7 @@ def check_finite_weights(model: nn.Module) -> None:
     Buffers are not checked: some models keep -inf attention masks there on purpose.
     """
     for name, tensor in model.named_parameters():
-        if _sums_are_finite(tensor.detach()):
+        if tensor.is_meta or _sums_are_finite(tensor.detach()):  # meta: not read yet (deferred experts)
             continue
         nans = int(torch.isnan(tensor).sum())
         infs = int(torch.isinf(tensor).sum())

@@ -44,7 +44,7 @@ _STACKED = FusedLayout()
 # [T, k], top_k_weights [T, k]); Llama 4's whole MoE block is replaced (`ScoredInputMoe`)
 LAYOUTS = {
     "Qwen3MoeExperts": _STACKED, "Qwen2MoeExperts": _STACKED, "OlmoeExperts": _STACKED,
-    "MixtralExperts": _STACKED, "DeepseekV3Experts": _STACKED,
+    "MixtralExperts": _STACKED, "DeepseekV3Experts": _STACKED, "Glm4MoeExperts": _STACKED,
     "GptOssExperts": FusedLayout(transposed=True, interleaved=True, biases=True),
     "Llama4TextExperts": FusedLayout(transposed=True, scales_input=True),
 }

@@ -256,12 +256,16 @@ def parameter_names(model: nn.Module, module: nn.Module, prefix: str) -> list[tu
 
 
 def materialize(model: nn.Module, module: nn.Module, prefix: str, weights: ShardedWeights,
-                dtype: torch.dtype, device=None) -> None:
-    """Read `module`'s parameters (it sits at `prefix` in `model`) from `weights` onto `device`.
-    A parameter stored under none of its names (a tied head saved once) is an error that names it."""
+                dtype: torch.dtype, device=None, skip: frozenset = frozenset()) -> None:
+    """Read `module`'s parameters (it sits at `prefix` in `model`) from `weights` onto `device`, but
+    those named in `skip` (relative to `module`), which stay on meta. A parameter stored under none
+    of its names (a tied head saved once) is an error that names it."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     wanted: dict[int, tuple[nn.Parameter, str]] = {}  # id(meta parameter) -> (it, the name it is stored as)
+    skipped = {f"{prefix}.{n}" if prefix else n for n in skip}
     for param, names in parameter_names(model, module, prefix):
+        if names[0] in skipped:
+            continue
         if param.is_meta and id(param) not in wanted:  # not resident already through a tie
             stored = next((n for n in names if n in weights), None)
             if stored is None:

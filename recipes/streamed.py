@@ -6,7 +6,9 @@ runs too); the export then joins the last step's layers into the checkpoint (exp
 
 Memory: one decoder layer in the calibration dtype (float32) plus what the step keeps for it
 (GPTQ: one Hessian per input, in² x 4 bytes), the calibration activations (walker.py) and, while
-inputs are captured, the token embedding. Disk: one copy of the layers per step, in float32 where
+inputs are captured, the token embedding. A mixture's layer under GPTQ without true_sequential
+holds one routed expert in float32 at a time (calibrate/deferred_experts.py) beside its quantized
+ones and their Hessians. Disk: one copy of the layers per step, in float32 where
 they stay float. The embedding, final norm and LM head are read from the shards as they are: a
 streamed run leaves them unquantized (lm_head must stay in `ignore`).
 """
@@ -24,6 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lowbit.calibrate.deferred_experts import DeferredExperts
 from lowbit.calibrate.experts import calibrating
 from lowbit.calibrate.arch import Arch, decoder_layers, matches_name
 from lowbit.calibrate.checks import check_finite_weights, safetensors_files
@@ -47,24 +50,51 @@ FIT_FRACTION = 0.8  # auto streams when the float32 model would take more of the
 
 
 class StreamedLayers:
-    """walker.LayerSource over the shards and the layers earlier steps finished (newest first)."""
+    """walker.LayerSource over the shards and the layers earlier steps finished (newest first).
+    With defer_experts, a layer read from the shards leaves its routed experts on meta, each read
+    when it runs or is solved (calibrate/deferred_experts.py): for steps that never write a float
+    expert weight back."""
 
-    def __init__(self, model: nn.Module, arch: Arch, weights: ShardedWeights, stores: list[StepLayers]):
+    def __init__(self, model: nn.Module, arch: Arch, weights: ShardedWeights, stores: list[StepLayers],
+                 defer_experts: bool = False):
         self.model, self.arch, self.weights, self.stores = model, arch, weights, list(stores)
+        self.defer_experts, self.deferred = defer_experts, None
 
     def load(self, index: int, prefix: str, layer: nn.Module, device) -> None:
         saved = next((s.layer_file(index) for s in reversed(self.stores) if s.layer_file(index)), None)
         if saved is not None:
             load_layer(prefix, layer, saved, device)
+            layer.to(device)  # buffers the skeleton computed (not stored) follow the weights
         else:
-            materialize(self.model, layer, prefix, self.weights, CALIBRATION_DTYPE, device)
+            self._read(layer, prefix, device)
+            buffers_to(layer, device)  # as above; the weights were read onto it (deferred ones stay on meta)
+
+    def _read(self, layer: nn.Module, prefix: str, device) -> None:
+        def read(module: nn.Module, name: str, skip: frozenset = frozenset()) -> None:
+            materialize(self.model, module, name, self.weights, CALIBRATION_DTYPE, device, skip)
             try:
-                check_finite_weights(layer)
+                check_finite_weights(module)
             except ValueError as err:
                 raise ValueError(f"{self.weights.folder}, layer {prefix}: {err}") from None
-        layer.to(device)  # buffers the skeleton computed (not stored) follow the weights
+
+        skip = frozenset(DeferredExperts.deferred(layer)) if self.defer_experts else frozenset()
+        read(layer, prefix, skip)
+        if skip:
+            self.deferred = DeferredExperts(layer, prefix, read)
+
+    def fetch(self, layer: nn.Module, names: list[str]) -> None:
+        """The named linears' weights, where the load deferred them (a solve reads them)."""
+        if self.deferred is not None and self.deferred.layer is layer:
+            self.deferred.fetch(names)
+
+    def settle(self, layer: nn.Module) -> None:
+        """The layer whole again: experts still deferred are read (the step is done with the layer)."""
+        if self.deferred is not None and self.deferred.layer is layer:
+            self.deferred.settle()
+            self.deferred = None
 
     def unload(self, index: int, prefix: str, layer: nn.Module) -> None:
+        self.settle(layer)  # its hooks go with it
         release_all(self.model, layer)
 
     def outer_names(self) -> list[str]:
@@ -154,7 +184,8 @@ def apply_steps_streamed(recipe: Recipe, ctx: StepContext, weights: ShardedWeigh
     for index, step in enumerate(recipe.steps):
         spec = STEPS[step.name]
         store = progress.step(index, required=True)
-        ctx.layer_store, ctx.layer_source = store, StreamedLayers(ctx.model, ctx.arch, weights, stores)
+        ctx.layer_store = store
+        ctx.layer_source = StreamedLayers(ctx.model, ctx.arch, weights, stores, defers_experts(step))
         start = time.perf_counter()
         with timed("quantize_s"), calibrating(recipe.calibration.experts()):
             ctx.observed = observe(ctx, spec.observes(step.config))
@@ -166,6 +197,12 @@ def apply_steps_streamed(recipe: Recipe, ctx: StepContext, weights: ShardedWeigh
         steps.append({"name": step.name, "seconds": time.perf_counter() - start, **detail})
         stores.append(store)
     return steps, StreamedLayers(ctx.model, ctx.arch, weights, stores)
+
+
+def defers_experts(step) -> bool:
+    """GPTQ without true_sequential reads each float expert only to run and to solve it and writes
+    none back (every solved linear is replaced): its layers can leave the experts on meta until then."""
+    return step.name == "gptq" and not step.config.true_sequential
 
 
 def observe(ctx: StepContext, kind: Optional[str]) -> dict:

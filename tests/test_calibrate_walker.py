@@ -66,6 +66,30 @@ def test_record_linear_inputs_shares_inputs_and_drops_padding(tiny_llama):
     assert calls[0][1].shape == (16, 128)  # 20 tokens, 4 of them padding
 
 
+def test_while_alive_holds_no_tensor_and_forgets_a_freed_one():
+    """The walker's input cache and the Hessians' sharing map go with the forward's tensors: an
+    expert's down_proj input must be freed once it has run, not at the end of the layer's forward."""
+    import weakref
+
+    from lowbit.calibrate.walker import WhileAlive
+
+    cache = WhileAlive()
+    x = torch.ones(4, 3)
+    rows = x[:2] * 2  # a value made from its key (the unpadded rows) lives as long as the key
+    cache.put(x, rows)
+    assert cache.get(x) is rows and cache.get(rows) is None
+    key, value = weakref.ref(x), weakref.ref(rows)
+    del x, rows
+    assert key() is None and value() is None and not cache._entries
+    y = torch.zeros(2, 2)
+    cache.put(y, y)  # a key that is its own value: held weakly too
+    assert cache.get(y) is y
+    held = weakref.ref(y)
+    del y
+    assert held() is None and not cache._entries
+    assert cache.get(torch.zeros(2, 2)) is None  # a new tensor, perhaps at a freed one's id
+
+
 def test_record_linear_inputs_names_missing_linears(tiny_llama):
     arch = arch_for(tiny_llama)
     ids = torch.randint(3, 512, (1, 8))

@@ -20,8 +20,8 @@ from lowbit.recipes.cli import main
 RUN_SETS = [f"--set={s}" for s in SMALL_RUN]
 # per decoder layer with experts: routed experts' projections; plus attention (and dense/shared MLPs)
 ATTENTION = {"deepseek_v3": 5}  # q_a, q_b, kv_a, kv_b, o
-SHARED = {"qwen2_moe": 3, "deepseek_v3": 3, "llama4_text": 3}
-DENSE_MLP = {"deepseek_v3": 3, "llama4_text": 3}  # their first layer
+SHARED = {"qwen2_moe": 3, "deepseek_v3": 3, "glm4_moe": 3, "llama4_text": 3}
+DENSE_MLP = {"deepseek_v3": 3, "glm4_moe": 3, "llama4_text": 3}  # their first layer
 
 
 def expected_linears(model_type: str) -> int:
@@ -62,7 +62,8 @@ def test_split_experts_compute_what_the_fused_module_did(model_type):
 @pytest.mark.parametrize("model_type", MOE_TYPES)
 def test_every_smoothing_pair_folds_without_changing_the_float_model(sources, model_type):
     """AWQ and SmoothQuant fold a scale into each pair's prev and its inverse into its linears: the
-    float model must compute what it did (DeepSeek-V3's latent norms, q_a/kv_a beside each other)."""
+    float model must compute what it did (DeepSeek-V3's latent norms, q_a/kv_a beside each other; the
+    MLP norm into every expert, the shared expert and, as passengers, the routers)."""
     from lowbit.calibrate.arch import layer_pairs
     from lowbit.calibrate.models import load_model
     from lowbit.quantize.steps.fold import fold_scale
@@ -81,8 +82,32 @@ def test_every_smoothing_pair_folds_without_changing_the_float_model(sources, mo
                 fold_scale(layer, pair, 0.5 + 1.5 * torch.rand(channels, generator=generator), arch.norm_offset)
                 folded += 1
         after = model(ids).logits
-    assert folded == 2 * len(arch.smooth)  # every pair of every layer
+    assert folded == 2 * len({p.prev for p in arch.smooth})  # every layer: each prev once (a MoE or a dense MLP pair)
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+
+
+ROUTERS = {"qwen3_moe": ("mlp.gate",), "qwen2_moe": ("mlp.gate", "mlp.shared_expert_gate"), "gpt_oss": ("mlp.router",),
+           "llama4_text": ("feed_forward.router",)}
+
+
+@pytest.mark.parametrize("model_type", list(ROUTERS))
+def test_awq_scales_every_expert_from_the_mlp_norm_and_the_routers_take_its_inverse(sources, model_type, tmp_path):
+    """One AWQ scale per MoE layer for the norm feeding the experts (searched on the MoE block's output):
+    the routers, float, take its inverse in their columns, so router(norm(x)) is what it was."""
+    out = tmp_path / "run"
+    assert main(["run", "w4a16-awq", "--model", str(sources[model_type]), "--output", str(out), *RUN_SETS]) == 0
+    step = next(s for s in json.loads((out / "results.json").read_text())["steps"] if s["name"] == "awq")
+    layer = expert_layers(model_type)[-1]
+    ratio = step["scale_ratio"][layer]["post_attention_layernorm"]
+    norm = f"model.layers.{layer}.post_attention_layernorm.weight"
+    with safe_open(str(sources[model_type] / "model.safetensors"), "pt") as f:
+        before = {n: f.get_tensor(n).float() for n in [norm] + [f"model.layers.{layer}.{r}.weight" for r in ROUTERS[model_type]]}
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        after = {n: f.get_tensor(stored_name(model_type, n)).float() for n in before}
+    assert ratio > 0 and not torch.allclose(after[norm], before[norm], rtol=1e-2)  # a scale was folded
+    for router in ROUTERS[model_type]:
+        name = f"model.layers.{layer}.{router}.weight"
+        torch.testing.assert_close(after[name] * after[norm], before[name] * before[norm], rtol=2e-2, atol=1e-4)
 
 
 def test_hub_names_round_trip_for_mixtral_and_stay_for_the_others():
@@ -367,18 +392,57 @@ def test_split_layers_are_expert_linears_in_a_loaded_model(sources):
     assert not any(p.ndim == 3 for p in model.parameters())
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "llama4_text"])
-def test_streamed_and_resident_runs_write_the_same_bytes(sources, model_type, tmp_path):
+STREAMED_CASES = [(t, "routed", ()) for t in ("qwen3_moe", "mixtral", "gpt_oss", "llama4_text")] + [
+    # every expert run on every token, one of them ignored (left float: read whole once GPTQ is done
+    # with the layer), and true_sequential (nothing deferred: rounded values are written back)
+    (t, "all_experts", ("--set=ignore=[lm_head, 're:.*experts\\.1\\..*']",)) for t in ("qwen3_moe", "gpt_oss")] + [
+    ("qwen3_moe", "all_experts", ("--set=steps.0.gptq.true_sequential=true",))]
+
+
+@pytest.mark.parametrize("model_type,mode,sets", STREAMED_CASES)
+def test_streamed_and_resident_runs_write_the_same_bytes(sources, model_type, mode, sets, tmp_path):
     """A streamed run reads each layer's per-expert tensors from the shards (Mixtral's under the
     hub's block_sparse_moe names; gpt-oss's and Llama 4's cut one expert at a time from the fused
-    tensors the hub stores) into the same expert linears as a resident run."""
+    tensors the hub stores) into the same expert linears as a resident run; under GPTQ without
+    true_sequential one expert at a time (deferred_experts.py)."""
     written = []
     for streaming in ("false", "true"):
         out = tmp_path / f"streaming-{streaming}"
         assert main(["run", "w4a16-gptq", "--model", str(sources[model_type]), "--output", str(out), *RUN_SETS,
-                     f"--set=calibration.streaming={streaming}", "--set=calibration.moe=routed"]) == 0
+                     f"--set=calibration.streaming={streaming}", f"--set=calibration.moe={mode}", *sets]) == 0
         written.append((out / "model.safetensors").read_bytes())
     assert written[0] == written[1]
+
+
+def test_a_streamed_gptq_layer_holds_an_expert_only_while_it_runs_or_is_solved(sources):
+    """The layer loads with its experts on meta; a forward reads each expert for its own run only;
+    a solve's fetch reads the linears named; settle reads the rest, and the layer is whole again."""
+    from lowbit.calibrate.streaming import ShardedWeights, empty_model
+    from lowbit.recipes.streamed import StreamedLayers
+
+    folder = sources["qwen3_moe"]
+    model = empty_model(folder)
+    layer = model.model.layers[0]
+    source = StreamedLayers(model, arch_for(model), ShardedWeights(folder, model), [], defer_experts=True)
+    source.load(0, "model.layers.0", layer, "cpu")
+    experts = layer.mlp.experts
+    assert all(p.is_meta for p in experts.parameters())
+    assert not any(p.is_meta for n, p in layer.named_parameters() if ".experts." not in n)
+    resident = []
+    hook = experts[2].down_proj.register_forward_pre_hook(
+        lambda m, a: resident.append([not e.down_proj.weight.is_meta for e in experts]))
+    with torch.no_grad():
+        layer.mlp(torch.randn(1, 24, 64, generator=torch.Generator().manual_seed(0)))  # routes to all 4
+    hook.remove()
+    assert resident == [[False, False, True, False]]  # expert 2 alone, while it runs (if routed at all)
+    assert all(p.is_meta for p in experts.parameters())
+    source.fetch(layer, ["mlp.experts.3.gate_proj"])
+    assert not experts[3].gate_proj.weight.is_meta and experts[3].up_proj.weight.is_meta
+    source.settle(layer)
+    assert not any(p.is_meta for p in layer.parameters())
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        fused = f.get_tensor("model.layers.0.mlp.experts.1.up_proj.weight")
+    assert torch.equal(experts[1].up_proj.weight, fused.float())
 
 
 def test_decode_reads_only_the_experts_a_step_picks_and_memory_counts_them_all(sources):
@@ -443,6 +507,44 @@ def test_a_statistics_forward_computes_what_the_model_does(model_type, mode):
     routed = [m.routed for m in model.modules() if isinstance(m, ExpertLinears)]
     top_k = config.get_text_config().num_experts_per_tok
     assert all(sum(r) == ids.numel() * top_k for r in routed)  # every token counted once per pick
+
+
+@pytest.mark.parametrize("mode", ["all_experts", "routed"])
+def test_experts_reading_one_input_share_one_hessian(mode):
+    """Under all_experts every expert's gate and up read the same tokens: one accumulator for all of
+    them, though each expert's down_proj runs in between (one per expert took 2.7 GB of float64 at
+    Qwen3-30B-A3B widths); routed, each expert's gate and up share their own."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lowbit.calibrate.arch import decoder_layers
+    from lowbit.calibrate.experts import ExpertCalibration, calibrating
+    from lowbit.calibrate.models import resolve_model_path
+    from lowbit.calibrate.walker import capture_first_layer_inputs
+    from lowbit.quantize.steps.layerwise import _collect_hessians
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        moe_config("qwen3_moe", AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))),
+        dtype=torch.float32).eval()
+    unfuse_experts(model)
+    arch = arch_for(model)
+    ids = torch.randint(3, 500, (3, 12), generator=torch.Generator().manual_seed(1))
+    inputs = capture_first_layer_inputs(model, arch, ids, micro_batch=2)  # two micro-batches
+    layer = decoder_layers(model, arch)[0]
+    names = [n for n in arch.linears if ".experts." in n]  # one group, as with true_sequential false
+    with torch.no_grad(), calibrating(ExpertCalibration(mode=mode)):
+        hessians, sharing = _collect_hessians(layer, names, inputs, None)
+    gate_up = [f"mlp.experts.{e}.{p}" for e in range(EXPERTS) for p in ("gate_proj", "up_proj")]
+    downs = [[f"mlp.experts.{e}.down_proj"] for e in range(EXPERTS)]
+    if mode == "all_experts":
+        assert sorted(sharing.values()) == sorted([gate_up] + downs)
+        shared = hessians[gate_up[0]]
+        assert shared.tokens == ids.numel()  # every micro-batch's tokens, each once
+        with torch.no_grad(), calibrating(ExpertCalibration(mode=mode)):
+            alone, _ = _collect_hessians(layer, ["mlp.experts.3.up_proj"], inputs, None)
+        torch.testing.assert_close(shared.matrix(), alone["mlp.experts.3.up_proj"].matrix(), rtol=0, atol=0)
+    else:
+        assert sorted(sharing.values()) == sorted([gate_up[2 * e: 2 * e + 2] for e in range(EXPERTS)] + downs)
 
 
 @pytest.mark.parametrize("mode", ["all_experts", "routed"])

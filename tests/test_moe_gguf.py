@@ -12,7 +12,7 @@ import torch
 
 from test_moe import expected_linears, lowbit_logits
 from tiny_models import SMALL_RUN
-from tiny_moe import EXPERTS, save_tiny_moe
+from tiny_moe import EXPERTS, expert_layers, save_tiny_moe
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 from lowbit.recipes.cli import main
 
@@ -25,7 +25,14 @@ CASES = {
     "qwen3_moe": ("gguf-q4_k-gptq", dict(hidden_size=256, head_dim=64, moe_intermediate_size=768,
                                          norm_topk_prob=True)),
     "qwen2_moe": ("gguf-q4_0", dict(moe_intermediate_size=1408, shared_expert_intermediate_size=5632)),
+    # experts as wide as intermediate_size; llama.cpp's olmoe graph wants as many k/v heads as q heads.
+    # transformers reads no OLMoE GGUF file: llama.cpp itself checks it (test_moe_llama_cpp.py)
+    "olmoe": ("gguf-q4_0", dict(num_key_value_heads=4)),
+    # a dense first layer, sigmoid routing with a selection bias and a shared expert; llama.cpp picks
+    # from all experts at once (one group); attention with biases and q/k norms, half of each head rotated
+    "glm4_moe": ("gguf-q4_0", dict(moe_intermediate_size=64, n_group=1, topk_group=1, attention_bias=True)),
 }
+TRANSFORMERS_READS = ("qwen3_moe", "qwen2_moe")
 RELOAD = textwrap.dedent("""
     import json, sys, torch
     from transformers import AutoModelForCausalLM
@@ -51,10 +58,12 @@ def test_experts_are_stacked_as_llama_cpp_reads_them_and_reload_everywhere(model
     assert "audit       passed" in capsys.readouterr().out
     assert json.loads((out / "results.json").read_text())["audit"]["checked"] == expected_linears(model_type)
 
-    hidden, inner = overrides.get("hidden_size", 64), overrides["moe_intermediate_size"]
+    hidden, inner = overrides.get("hidden_size", 64), overrides.get("moe_intermediate_size", 128)
     tensors = {t.name: t for t in gguf.GGUFReader(str(out / "model.gguf")).tensors}
-    assert not any(".experts." in n or "ffn_gate." in n for n in tensors)  # no per-expert tensor left
-    for layer in (0, 1):
+    sparse = expert_layers(model_type)
+    assert not any(".experts." in n for n in tensors)  # no per-expert tensor left
+    assert not any(f"blk.{layer}.ffn_gate." in n for n in tensors for layer in sparse)
+    for layer in sparse:
         for proj, shape in (("gate", [hidden, inner, EXPERTS]), ("up", [hidden, inner, EXPERTS]),
                             ("down", [inner, hidden, EXPERTS])):  # GGML order: row length first
             t = tensors[f"blk.{layer}.ffn_{proj}_exps.weight"]
@@ -66,6 +75,8 @@ def test_experts_are_stacked_as_llama_cpp_reads_them_and_reload_everywhere(model
     model, _ = load(out)
     assert isinstance(model.get_submodule(f"model.layers.1.mlp.experts.{EXPERTS - 1}.down_proj"), GGUFLinear)
     ids = torch.randint(3, 500, (1, 16), generator=torch.Generator().manual_seed(2))
+    if model_type not in TRANSFORMERS_READS:
+        return
     ours, theirs = lowbit_logits(out, ids), transformers_gguf_logits(out, ids)
     # both dequantize the same blocks: float rounding apart (measured 3e-7 of the logit scale)
     assert float((ours - theirs).abs().max()) <= 1e-4 * float(ours.abs().max())
@@ -103,10 +114,15 @@ def test_experts_of_one_layer_stacked_with_two_types_are_refused_on_write(tmp_pa
         checkpoint.save(model, tokenizer, tmp_path / "out", ExportConfig(format="gguf", dtype="float32"))
 
 
-def test_routing_llama_cpp_would_compute_differently_stops_before_any_work(tmp_path, capsys):
-    source = save_tiny_moe(tmp_path / "source", "qwen3_moe", norm_topk_prob=False)
+@pytest.mark.parametrize("model_type,overrides,said", [
+    ("qwen3_moe", dict(norm_topk_prob=False), ("norm_topk_prob: false", "qwen3moe")),
+    ("olmoe", dict(num_key_value_heads=2), ("num_key_value_heads equal to num_attention_heads", "has 2")),
+])
+def test_a_model_llama_cpp_would_compute_differently_stops_before_any_work(model_type, overrides, said, tmp_path,
+                                                                          capsys):
+    source = save_tiny_moe(tmp_path / "source", model_type, **overrides)
     code = main(["run", "gguf-q4_0", "--model", str(source), "--output", str(tmp_path / "run"), *RUN_SETS])
     printed = capsys.readouterr()
     assert code == 2
-    assert "norm_topk_prob: false" in printed.err and "qwen3moe" in printed.err
+    assert all(part in printed.err for part in said)
     assert "[rtn]" not in printed.out + printed.err and not (tmp_path / "run").exists()

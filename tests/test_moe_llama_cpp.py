@@ -35,7 +35,12 @@ CASES = {
                                           norm_topk_prob=True),
     ("qwen2_moe", "gguf-q4_0"): dict(moe_intermediate_size=128, shared_expert_intermediate_size=256),
     ("mixtral", "gguf-q4_0"): {},  # llama.cpp's llama graph: q/k rows reordered as for any llama
+    ("olmoe", "gguf-q4_0"): dict(num_key_value_heads=4),  # q/k norms over all heads; routing never renormalized
+    # sigmoid routing, selection bias, shared expert, dense first layer, partial rotary, attention biases
+    ("glm4_moe", "gguf-q4_0"): dict(n_group=1, topk_group=1, attention_bias=True, routed_scaling_factor=2.5),
 }
+
+SHARPENED = ("glm4_moe",)
 
 
 def llama_cpp_perplexity(file: Path, text_file: Path) -> float:
@@ -69,9 +74,27 @@ def lowbit_perplexity(folder: Path, text: str) -> float:
     return math.exp(nll / count)
 
 
+def sharpen(folder: Path) -> None:
+    """Queries and keys 4x larger (attention that depends on position, so a wrong rotary width shows)
+    and a random selection bias in each router (so a file without llama.cpp's exp_probs_b shows)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    generator = torch.Generator().manual_seed(7)
+    for name, t in tensors.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensors[name] = t * 4
+        elif name.endswith("e_score_correction_bias"):
+            tensors[name] = torch.rand(t.shape, generator=generator) * 0.5
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize("model_type,recipe", list(CASES))
 def test_llama_cpp_runs_the_experts_as_lowbit_does(model_type, recipe, tmp_path):
     source = save_tiny_moe(tmp_path / "source", model_type, **CASES[model_type, recipe], **WIDE)
+    if model_type in SHARPENED:
+        sharpen(source)
     out = tmp_path / "run"
     assert main(["run", recipe, "--model", str(source), "--output", str(out),
                  *[f"--set={s}" for s in SMALL_RUN]]) == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-MOE_TYPES = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss", "llama4_text"]
+MOE_TYPES = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4_text"]
 EXPERTS = 4
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
@@ -29,9 +29,14 @@ EXTRA = {
                         n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=64,
                         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
                         rope_scaling=None, num_key_value_heads=4),  # latent attention: k/v for every head
+    # layer 0 dense, layer 1 routed experts (sigmoid router, grouped top-k) and a shared one; q/k norms,
+    # half the head rotated
+    "glm4_moe": dict(n_routed_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
+                     first_k_dense_replace=1, n_group=2, topk_group=1, use_qk_norm=True, head_dim=16,
+                     norm_topk_prob=True),
 }
 # per layer: routed experts x (gate, up, down), the dense layers' MLP, a shared expert's projections
-EXPERT_LAYERS = {"deepseek_v3": [1], "llama4_text": [1]}
+EXPERT_LAYERS = {"deepseek_v3": [1], "llama4_text": [1], "glm4_moe": [1]}
 # inside a decoder layer, where the routed experts sit
 EXPERTS_AT = {"llama4_text": "feed_forward.experts"}
 

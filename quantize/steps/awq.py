@@ -18,7 +18,8 @@ import torch
 
 from lowbit.calibrate.arch import is_linear, layer_pairs, linear_weight, target_linears
 from lowbit.calibrate.distributed import all_sum, count_before, mean_rows, sum_int, sum_numbers
-from lowbit.calibrate.walker import LayerInputs, first_output, layer_forward, record_linear_inputs, walk
+from lowbit.calibrate.walker import (LayerInputs, WhileAlive, first_output, layer_forward, record_linear_inputs,
+                                     walk)
 from lowbit.quantize.grids.gguf_plan import GGUFTypes
 from lowbit.quantize.grids.integer import IntScheme, check_group_size, fake_quantize, grouped, scale_zero_from_range
 from lowbit.quantize.steps.awq_gguf import GGUFSearchGrid, search_clip_gguf
@@ -144,6 +145,8 @@ def search_clip(w: torch.Tensor, gram: torch.Tensor, scheme: IntScheme, cfg: AWQ
 def block_targets(layer, pair) -> list[str]:
     """Modules whose outputs judge a scaling of `pair`: the block its linears share (attention,
     MLP) when prev is a norm, else the linears themselves (v -> o, up -> down)."""
+    if pair.block:
+        return [pair.block]
     owners = {n.rpartition(".")[0] for n in pair.linears}
     if not is_linear(layer.get_submodule(pair.prev)) and len(owners) == 1 and "" not in owners:
         return [owners.pop()]
@@ -275,13 +278,14 @@ def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig,
              if n in present and n not in cfg.clip_skip and not is_ignored(f"{prefix}.{n}", ignore)]
     stride = 1 if cfg.clip_tokens is None else token_stride(inputs.hidden, cfg.clip_tokens)
     grams = {n: GroupGram(grid) for n in names}
-    last = [None, None]  # the input tensor seen last and the linear whose Gram took it
+    took = WhileAlive()  # an input tensor -> the linear whose Gram took it
 
-    def update(name, x2d):  # gate/up are handed one tensor in turn: one Gram for both
-        if x2d is last[0]:
-            grams[name] = grams[last[1]]
+    def update(name, x2d):  # linears handed one tensor (gate/up; every expert's under all_experts): one Gram
+        first = took.get(x2d)
+        if first is not None:
+            grams[name] = grams[first]
         else:
-            last[:] = [x2d, name]
+            took.put(x2d, name)
             grams[name].update(x2d[::stride])
 
     record_linear_inputs(layer, names, inputs, device, update)
@@ -313,7 +317,7 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
 
     per_layer = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="awq",
                      store=ctx.layer_store, source=ctx.layer_source, offload=ctx.offload)
-    return {"scaled_pairs": [p.prev for p in ctx.arch.smooth],
+    return {"scaled_pairs": list(dict.fromkeys(p.prev for p in ctx.arch.smooth)),
             "scale_ratio": [r["ratios"] for r in per_layer],
             "clipped": sorted({n for r in per_layer for n in r["clipped"]})}
 

@@ -9,7 +9,8 @@ so the model computes the same function while the linears' inputs become easier 
 prev is a norm (RMSNorm / LayerNorm weight and bias; Gemma's RMSNorm multiplies by 1 + weight,
 hence `norm_offset`) or a linear whose output rows feed the linears (v_proj -> o_proj,
 up_proj -> down_proj). With grouped-query attention o_proj's inputs are the v heads repeated,
-so one v channel feeds several o_proj columns: `follower_index` gives that map.
+so one v channel feeds several o_proj columns: `follower_index` gives that map. A mixture's
+router reads the same norm as its experts: it takes the scale too (a passenger), unquantized.
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def fold_scale(layer: nn.Module, pair: SmoothPair, scale: torch.Tensor, norm_off
             raise TypeError(f"{name} is {type(linear).__name__}; fold scales before quantizing it")
         index = follower_index(layer, name, channels)
         _scale_input_columns(linear, scale[index])
+    for name in pair.passengers:
+        _scale_passenger(layer.get_submodule(name), name, scale)
     if is_linear(prev):
         _scale_output_rows(prev, 1.0 / scale)
     else:
@@ -81,6 +84,15 @@ def fold_scale(layer: nn.Module, pair: SmoothPair, scale: torch.Tensor, norm_off
 def _scale_input_columns(linear: nn.Module, s: torch.Tensor) -> None:
     w = linear_weight(linear)  # a view: scaling it scales the module's weight
     w.mul_(s.to(w.device, w.dtype).unsqueeze(0))
+
+
+def _scale_passenger(module: nn.Module, name: str, s: torch.Tensor) -> None:
+    """A router reads prev's output through its (experts, channels) weight: its columns take the scale
+    (routers are linears or hold such a weight and apply it with F.linear; a bias stays as it is)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != len(s):
+        raise TypeError(f"{name} ({type(module).__name__}) has no (out, {len(s)}) weight to take the scale")
+    weight.data.mul_(s.to(weight.device, weight.dtype).unsqueeze(0))
 
 
 def _scale_output_rows(linear: nn.Module, s: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from lowbit.calibrate.distributed import all_sum, round_robin, sum_int, world
 from lowbit.calibrate.experts import take_routed_tokens
 from lowbit.calibrate.hardware import cpu_info, return_freed_memory
-from lowbit.calibrate.walker import record_linear_inputs, walk
+from lowbit.calibrate.walker import WhileAlive, record_linear_inputs, walk
 from lowbit.quantize.steps import expert_hessians
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.gptq_solver import HessianAccumulator
@@ -46,11 +46,16 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
     they will see), and the layer's quantized outputs feed the next layer. Each replaced linear
     leaves targets.linears. Returns the per-layer records and the forwards' dtype."""
 
+    source = ctx.layer_source
+    fetch, settle = getattr(source, "fetch", None), getattr(source, "settle", None)  # streamed: deferred experts
+
     def solve_trimmed(prefix, layer, unit):
         # glibc keeps the freed blocks of the forwards and the smaller solves (tensors of 1-32 MiB sit
         # below its self-raising mmap threshold) in its heap: given back first, down_proj's factorisation
         # does not stack on them
         return_freed_memory()
+        if fetch is not None:
+            fetch(layer, unit[0])
         return solve(prefix, layer, *unit)
 
     def on_layer(i, prefix, layer, inputs):
@@ -80,6 +85,8 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
             _smallest_first(units, lambda unit: solve_trimmed(prefix, layer, unit), install_unit)
         for name, module in solved.items():
             let_go(prefix, layer, name, module)
+        if settle is not None:
+            settle(layer)
         stats = {n: stats[n] for n in names if n in stats}  # the layer's order, not the solves'
         record = {"layer": prefix, "seconds": round(time.perf_counter() - start, 3),
                   "linears": {f"{prefix}.{n}": s for n, s in stats.items()}}
@@ -138,18 +145,22 @@ def _collect_hessians(layer: nn.Module, names: list[str], inputs, device):
     """Hessians of the named linears' inputs, one per distinct input; and lead -> names sharing it."""
     hessians: dict[str, HessianAccumulator] = {}
     sharing: dict[str, list[str]] = {}
-    last = {"x": None, "lead": None}
+    lead_of = WhileAlive()  # an input tensor -> the linear whose Hessian took it
 
     def record(name: str, x2d: torch.Tensor) -> None:
-        if x2d is last["x"]:  # the walker hands linears fed the same tensor the same object
-            if name not in sharing[last["lead"]]:
-                sharing[last["lead"]].append(name)
+        # the walker hands linears fed the same tensor the same object: q/k/v, gate/up, and under
+        # all_experts every expert's gate/up, though each expert's down_proj runs between them
+        # (one accumulator per expert held 2.7 GB of float64 at Qwen3-30B-A3B widths)
+        lead = lead_of.get(x2d)
+        if lead is not None:
+            if name not in sharing[lead]:
+                sharing[lead].append(name)
             return
         if name not in hessians:
             hessians[name] = HessianAccumulator(x2d.shape[1], device=x2d.device)
             sharing[name] = [name]
         hessians[name].add(x2d)
-        last["x"], last["lead"] = x2d, name
+        lead_of.put(x2d, name)
 
     record_linear_inputs(layer, names, inputs, device, record)
     hessians, sharing = expert_hessians.complete(layer, names, hessians, sharing)

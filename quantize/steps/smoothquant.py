@@ -67,13 +67,14 @@ def choose_scale(x_absmax, weights, index, channels, cfg: SmoothQuantConfig, err
 
 def smooth_layer(layer, arch, inputs, device, cfg: SmoothQuantConfig) -> dict:
     pairs = layer_pairs(layer, arch.smooth)
-    collectors = {p.linears[0]: InputCollector(token_stride(inputs.hidden, cfg.max_tokens)) for p in pairs}
+    # a MoE pair's statistic is its block's input (every token), not expert 0's routed tokens
+    collectors = {p.block or p.linears[0]: InputCollector(token_stride(inputs.hidden, cfg.max_tokens)) for p in pairs}
     record_linear_inputs(layer, list(collectors), inputs, device,
                          lambda name, x: collectors[name].update(x))
     quant_w = weight_quantizer(cfg.scheme)
     chosen = {}
     for pair in pairs:
-        stats = collectors[pair.linears[0]].result()
+        stats = collectors[pair.block or pair.linears[0]].result()
         weights = pair_weights(layer, pair)
         channels, index = pair_index(layer, pair)
         error = PairError(stats.sample, weights, quant_w, per_token_int8) if cfg.alpha_grid else None
@@ -91,7 +92,7 @@ def apply(ctx: StepContext, cfg: SmoothQuantConfig) -> dict:
                   lambda i, name, layer, inputs: smooth_layer(layer, ctx.arch, inputs, ctx.device, cfg),
                   device=ctx.device, label="smoothquant", store=ctx.layer_store, source=ctx.layer_source,
                   offload=ctx.offload)
-    return {"smoothed_pairs": [p.prev for p in ctx.arch.smooth], "alpha": cfg.alpha,
+    return {"smoothed_pairs": list(dict.fromkeys(p.prev for p in ctx.arch.smooth)), "alpha": cfg.alpha,
             "alphas_chosen": alphas if cfg.alpha_grid else None}
 
 

@@ -1,7 +1,8 @@
 """gguf: one model.gguf (tensors, metadata, tokenizer) for llama.cpp, Ollama and LM Studio, in a lowbit
 checkpoint folder (config.json whose quantization_config says quant_method "gguf", generation config,
 card, manifest; the tokenizer only inside model.gguf) that lowbit and transformers
-(`gguf_file="model.gguf"`) read back."""
+(`gguf_file="model.gguf"`) read back. For an architecture transformers' GGUF loader does not read
+(OLMoE) the folder also holds the tokenizer's files, which lowbit reads instead."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,6 +15,7 @@ from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 
 from ..base import ExportFormat
 from ..hf_folder import base_config, quant_method, write_folder_files
+from .names import ARCHS
 from .reader import TYPE_SUFFIX, gguf_tensor_bytes, read_gguf_tensors
 from .writer import write_gguf
 
@@ -36,9 +38,12 @@ class GGUFFormat(ExportFormat):
         config.pop(kv_scales.KEY, None)
         config["quantization_config"] = {"quant_method": METHOD, "file": GGUF_FILE, "type": cfg.type,
                                          "embedding_type": cfg.embedding_type}
-        # no tokenizer files: the tokenizer is in model.gguf, and transformers' gguf_file= loader, finding a
-        # tokenizer.json beside the file, builds the tokenizer without its BOS/EOS/PAD tokens
-        write_folder_files(folder, model, None, config, extra_files)
+        # no tokenizer files where transformers reads the file: the tokenizer is in model.gguf, and its
+        # gguf_file= loader, finding a tokenizer.json beside the file, builds it without its BOS/EOS/PAD tokens
+        reads = ARCHS[model.config.model_type].transformers_reads
+        if not reads:  # said only where false: the other files' config.json stays as it was
+            config["quantization_config"]["transformers_reads"] = False
+        write_folder_files(folder, model, None if reads else tokenizer, config, extra_files)
 
     def detects(self, config: dict) -> bool:
         return quant_method(config) == METHOD
@@ -46,7 +51,9 @@ class GGUFFormat(ExportFormat):
     def load_tokenizer(self, folder: Path, trust_remote_code: bool):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+        if _transformers_reads(folder):
+            return AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
 
     def read_tensors(self, folder: Path, model) -> dict[str, torch.Tensor]:
         return read_gguf_tensors(Path(folder) / GGUF_FILE, model)
@@ -79,12 +86,24 @@ class GGUFFormat(ExportFormat):
 
     def loading(self, config: dict) -> list[str]:
         file = config["quantization_config"].get("file", GGUF_FILE)
+        python = (["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+                   f"model = AutoModelForCausalLM.from_pretrained(path, gguf_file=\"{file}\")  # dequantized on load",
+                   f"tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=\"{file}\")", "```"]
+                  if config["quantization_config"].get("transformers_reads", True) else
+                  ["transformers does not read this architecture's GGUF files; `lowbit.export.reader.load(path)` "
+                   "does (dequantized on load)."])
         return ["```bash", f"llama-cli -m {file} -p \"Hello\"          # llama.cpp",
                 f"printf 'FROM ./{file}\\n' > Modelfile && ollama create mymodel -f Modelfile   # Ollama", "```",
-                "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-                f"model = AutoModelForCausalLM.from_pretrained(path, gguf_file=\"{file}\")  # dequantized on load",
-                f"tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=\"{file}\")", "```",
+                *python,
                 f"LM Studio: import `{file}`. One file holds the weights, the tokenizer and the chat template."]
+
+
+def _transformers_reads(folder: Path) -> bool:
+    """Whether the checkpoint's config says transformers' gguf_file= loader reads it (older folders: yes)."""
+    import json
+
+    config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    return config.get("quantization_config", {}).get("transformers_reads", True)
 
 
 def _scheme(ggml_type: int, layer: str, where: str) -> GGUFScheme:

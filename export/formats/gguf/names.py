@@ -24,6 +24,19 @@ class GGUFArch:
     # llama.cpp's graph requires output.weight (it reads no tied output from token_embd): a tied
     # model's output is written out as its own tensor
     output_required: bool = False
+    # llama.cpp's graph holds k's norm as wide as q's (OLMoE's q_norm and k_norm span all heads):
+    # it loads only models with as many key/value heads as query heads
+    kv_heads_equal: bool = False
+    # transformers' gguf_file= loader reads this architecture (its GGUF_CONFIG_MAPPING); where it does
+    # not, the checkpoint folder carries the tokenizer's own files for lowbit and transformers to read
+    transformers_reads: bool = True
+    # DeepSeek-style routing (GLM-4.5): sigmoid scores, a selection bias (`exp_probs_b`), leading dense
+    # layers, shared experts counted; llama.cpp reads the top-k normalization and scale from the file
+    sigmoid_routing: bool = False
+
+    @property
+    def moe(self) -> bool:
+        return self.norm_topk is not None or self.sigmoid_routing
 
 
 ARCHS = {
@@ -32,6 +45,10 @@ ARCHS = {
     "qwen3_moe": GGUFArch("qwen3moe", permute_qk=False, norm_topk=True),
     "qwen2_moe": GGUFArch("qwen2moe", permute_qk=False, norm_topk=False, output_required=True),
     "mixtral": GGUFArch("llama", permute_qk=True, norm_topk=True),  # llama.cpp runs Mixtral as a llama
+    # NEOX rope (rows as they are), softmax routing never renormalized, q/k norms over all heads
+    "olmoe": GGUFArch("olmoe", permute_qk=False, norm_topk=False, output_required=True, kv_heads_equal=True,
+                      transformers_reads=False),
+    "glm4_moe": GGUFArch("glm4moe", permute_qk=False, transformers_reads=False, sigmoid_routing=True),
 }
 ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # float32 always, as llama.cpp's converter keeps them
 # a routed expert's linear weight in lowbit's modules: (experts module).(index).(projection).weight
@@ -53,6 +70,16 @@ def arch_of(config, where: str) -> GGUFArch:
         raise ValueError(f"{where}: llama.cpp's {arch.name} graph {'always' if arch.norm_topk else 'never'} "
                          f"renormalizes the top-k routing weights; this model's config.json has norm_topk_prob: "
                          f"{str(bool(norm)).lower()}, so llama.cpp would compute another model")
+    groups, kept = getattr(config, "n_group", 1) or 1, getattr(config, "topk_group", 1) or 1
+    if arch.sigmoid_routing and kept < groups:
+        raise ValueError(f"{where}: llama.cpp's {arch.name} graph picks experts from all of them; this model's "
+                         f"router first keeps topk_group {kept} of n_group {groups} expert groups, so llama.cpp "
+                         "would compute another model")
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    if arch.kv_heads_equal and kv_heads not in (None, heads):
+        raise ValueError(f"{where}: llama.cpp's {arch.name} graph normalizes keys over all {heads} heads' width, "
+                         f"so it loads only models with num_key_value_heads equal to num_attention_heads; this "
+                         f"model's config.json has {kv_heads}")
     return arch
 
 
@@ -66,7 +93,9 @@ class TensorNames:
         self._map = gguf.get_tensor_name_map(member, num_layers)
 
     def gguf_name(self, hf_name: str) -> str | None:
-        """The .gguf name, or None for a tensor llama.cpp does not store (RoPE's inv_freq)."""
+        """The .gguf name, or None for a tensor llama.cpp does not store (RoPE's inv_freq). The router's
+        selection bias (`e_score_correction_bias`, a buffer) is the map's `e_score_correction.bias`."""
+        hf_name = re.sub(r"\.e_score_correction_bias$", ".e_score_correction.bias", hf_name)
         return self._map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
 
 
@@ -118,13 +147,17 @@ def add_hyperparameters(writer, config, arch: GGUFArch) -> None:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
-    writer.add_rope_dimension_count(head_dim)
+    rope = getattr(config, "rope_parameters", None) or {}
+    rotated = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+    writer.add_rope_dimension_count(int(head_dim * rotated))  # GLM-4.5 rotates half of each head
     writer.add_vocab_size(config.vocab_size)
-    if head_dim != config.hidden_size // config.num_attention_heads or arch.norm_topk is not None:
+    if head_dim != config.hidden_size // config.num_attention_heads or arch.moe:
         writer.add_key_length(head_dim)  # always for a MoE: transformers' GGUF reader takes head_dim from it
         writer.add_value_length(head_dim)
-    if arch.norm_topk is not None:
+    if arch.moe:
         add_expert_hyperparameters(writer, config)
+    if arch.sigmoid_routing:
+        add_sigmoid_routing(writer, config)
 
 
 def add_expert_hyperparameters(writer, config) -> None:
@@ -136,3 +169,15 @@ def add_expert_hyperparameters(writer, config) -> None:
     shared = getattr(config, "shared_expert_intermediate_size", None)
     if shared:
         writer.add_expert_shared_feed_forward_length(shared)
+
+
+def add_sigmoid_routing(writer, config) -> None:
+    """The keys llama.cpp's DeepSeek-style graphs read: shared experts, leading dense layers, sigmoid
+    gating, the routing weights' normalization and scale."""
+    import gguf
+
+    writer.add_expert_shared_count(getattr(config, "n_shared_experts", None) or 0)
+    writer.add_leading_dense_block_count(getattr(config, "first_k_dense_replace", None) or 0)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(float(getattr(config, "routed_scaling_factor", None) or 1.0))
+    writer.add_expert_weights_norm(bool(getattr(config, "norm_topk_prob", False)))
