@@ -114,8 +114,6 @@ def _moe_groups(attention, shared: str = "") -> tuple[tuple[str, ...], ...]:
     return (*attention, *(d + x + s for d, x, s in zip(_DENSE_MLP, _EXPERTS, extra)))
 
 
-
-
 def _mlp_pairs(block: str = "mlp", shared: str = "", passengers: tuple[str, ...] = ("gate",)) -> tuple[SmoothPair, ...]:
     """The MLP input norm into a MoE block's experts (and shared expert), its routers passengers; or,
     in a dense layer, into the MLP's gate and up (layer_pairs keeps the one a layer holds)."""

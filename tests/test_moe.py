@@ -101,7 +101,8 @@ def test_awq_scales_every_expert_from_the_mlp_norm_and_the_routers_take_its_inve
     ratio = step["scale_ratio"][layer]["post_attention_layernorm"]
     norm = f"model.layers.{layer}.post_attention_layernorm.weight"
     with safe_open(str(sources[model_type] / "model.safetensors"), "pt") as f:
-        before = {n: f.get_tensor(n).float() for n in [norm] + [f"model.layers.{layer}.{r}.weight" for r in ROUTERS[model_type]]}
+        names = [norm] + [f"model.layers.{layer}.{r}.weight" for r in ROUTERS[model_type]]
+        before = {n: f.get_tensor(n).float() for n in names}
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         after = {n: f.get_tensor(stored_name(model_type, n)).float() for n in before}
     assert ratio > 0 and not torch.allclose(after[norm], before[norm], rtol=1e-2)  # a scale was folded
