@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 from torch import nn
 
 from .experts import ExpertLinears
@@ -24,12 +23,12 @@ class DeferredExperts:
     """The routed experts of one loaded layer, their parameters left on meta until needed.
 
     read(module, name): give `module` (at `name` in the model) its parameters from the source, checked
-    finite."""
+    finite; release(module): put them back on meta."""
 
-    def __init__(self, layer: nn.Module, prefix: str, read: Callable[[nn.Module, str], None]):
-        self.layer, self.prefix, self.read = layer, prefix, read
-        self.experts = {f"{name}.{e}": expert for name, module in layer.named_modules()
-                        if isinstance(module, ExpertLinears) for e, expert in enumerate(module)}
+    def __init__(self, layer: nn.Module, prefix: str, read: Callable[[nn.Module, str], None],
+                 release: Callable[[nn.Module], None]):
+        self.layer, self.prefix, self.read, self.release = layer, prefix, read, release
+        self.experts = _experts(layer)
         self.handles = [h for rel, expert in self.experts.items()
                         for h in (expert.register_forward_pre_hook(self._before(rel)),
                                   expert.register_forward_hook(self._after(rel)))]
@@ -38,12 +37,11 @@ class DeferredExperts:
     @staticmethod
     def deferred(layer: nn.Module) -> set[str]:
         """Names (relative to the layer) of the parameters a deferred load leaves on meta."""
-        return {f"{name}.{e}.{p}" for name, module in layer.named_modules() if isinstance(module, ExpertLinears)
-                for e, expert in enumerate(module) for p, _ in expert.named_parameters()}
+        return {f"{rel}.{p}" for rel, expert in _experts(layer).items() for p, _ in expert.named_parameters()}
 
     def _before(self, rel: str):
         def hook(module, args):
-            if self._read_meta(rel, module):
+            if self._read_if_meta(rel, module):
                 self.held.add(rel)
         return hook
 
@@ -53,10 +51,10 @@ class DeferredExperts:
                 self.held.discard(rel)
                 for linear in module.children():
                     if isinstance(linear, nn.Linear):  # a solved one is quantized: it stays
-                        _to_meta(linear)
+                        self.release(linear)
         return hook
 
-    def _read_meta(self, rel: str, module: nn.Module) -> bool:
+    def _read_if_meta(self, rel: str, module: nn.Module) -> bool:
         if not any(p.is_meta for p in module.parameters()):
             return False
         self.read(module, f"{self.prefix}.{rel}")
@@ -65,9 +63,7 @@ class DeferredExperts:
     def fetch(self, names: list[str]) -> None:
         """Read the named linears (relative to the layer) that are still deferred, for a solve."""
         for name in names:
-            module = self.layer.get_submodule(name)
-            if any(p.is_meta for p in module.parameters()):
-                self.read(module, f"{self.prefix}.{name}")
+            self._read_if_meta(name, self.layer.get_submodule(name))
 
     def settle(self) -> None:
         """Stop deferring: every expert's parameters still on meta are read (those no solve replaced)."""
@@ -75,9 +71,10 @@ class DeferredExperts:
             handle.remove()
         self.handles = []
         for rel, expert in self.experts.items():
-            self._read_meta(rel, expert)
+            self._read_if_meta(rel, expert)
 
 
-def _to_meta(linear: nn.Linear) -> None:
-    for name, param in list(linear.named_parameters(recurse=False)):
-        setattr(linear, name, nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False))
+def _experts(layer: nn.Module) -> dict[str, nn.Module]:
+    """Every routed expert of the layer by its name relative to the layer (`mlp.experts.3`)."""
+    return {f"{name}.{e}": expert for name, module in layer.named_modules()
+            if isinstance(module, ExpertLinears) for e, expert in enumerate(module)}

@@ -224,8 +224,9 @@ def record_linear_inputs(layer: nn.Module, names: list[str], inputs: LayerInputs
                 x2d = flat.get(x)
                 if x2d is None:
                     x2d = x if x.dim() == 2 and as_given else x.reshape(-1, x.shape[-1])
-                    flat.put(x, x2d if as_given else x2d[mask.reshape(-1).to(x.device)])
-                fn(name, flat.get(x))
+                    x2d = x2d if as_given else x2d[mask.reshape(-1).to(x.device)]
+                    flat.put(x, x2d)
+                fn(name, x2d)
                 seen.add(name)
                 if seen >= wanted:
                     raise _StopForward

@@ -36,7 +36,7 @@ from lowbit.calibrate.model_config import check_model_source
 from lowbit.calibrate.models import load_tokenizer, resolve_model_path
 from lowbit.calibrate.observers_walked import walked_kv_absmax, walked_linear_input_absmax
 from lowbit.calibrate.streaming import (ShardedWeights, buffers_to, check_weights_match, embedding_rows, empty_model,
-                                        materialize, outer_modules, release_all)
+                                        materialize, outer_modules, release, release_all)
 from lowbit.quantize.audit import AuditReport, audit_model
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
@@ -80,7 +80,8 @@ class StreamedLayers:
         skip = frozenset(DeferredExperts.deferred(layer)) if self.defer_experts else frozenset()
         read(layer, prefix, skip)
         if skip:
-            self.deferred = DeferredExperts(layer, prefix, read)
+            # an expert's weights are tied to nothing outside its layer: the layer's parameters are all to search
+            self.deferred = DeferredExperts(layer, prefix, read, lambda module: release(layer, module))
 
     def fetch(self, layer: nn.Module, names: list[str]) -> None:
         """The named linears' weights, where the load deferred them (a solve reads them)."""

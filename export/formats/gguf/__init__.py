@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from lowbit.calibrate.model_config import read_config
 from lowbit.export import kv_scales
 from lowbit.quantize.grids.gguf import GGUFScheme
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
@@ -100,9 +101,7 @@ class GGUFFormat(ExportFormat):
 
 def _transformers_reads(folder: Path) -> bool:
     """Whether the checkpoint's config says transformers' gguf_file= loader reads it (older folders: yes)."""
-    import json
-
-    config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    config = read_config(str(folder))
     return config.get("quantization_config", {}).get("transformers_reads", True)
 
 

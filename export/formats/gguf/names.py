@@ -146,8 +146,8 @@ def add_hyperparameters(writer, config, arch: GGUFArch) -> None:
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
     rope = getattr(config, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     rotated = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
     writer.add_rope_dimension_count(int(head_dim * rotated))  # GLM-4.5 rotates half of each head
     writer.add_vocab_size(config.vocab_size)
