@@ -7,13 +7,12 @@ with `python bench/awq_layer_error.py` (lowbit installed)
 import copy
 
 import torch
-from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.integer import IntScheme, quantize_rtn
 from lowbit.calibrate.models import load_model
 from lowbit.calibrate.arch import arch_for, decoder_layers, linear_weight
 from lowbit.calibrate.data import calibration_batches, CalibrationConfig
 from lowbit.calibrate.walker import capture_first_layer_inputs, layer_forward
 from lowbit.quantize.steps import awq
-from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
 torch.manual_seed(0)
 model, tok, _ = load_model("smollm2-135m")

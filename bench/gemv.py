@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.quantize.runtime import backends
-from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.integer import IntScheme, quantize_rtn
 from lowbit.quantize.runtime.qlinear import QuantLinear
-from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
 SCHEMES = {"int8-channel": IntScheme(8, True, "channel"), "int4-g128": IntScheme(4, True, "group", 128),
            "int4-g32-asym": IntScheme(4, False, "group", 32)}

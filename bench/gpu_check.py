@@ -41,8 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.quantize.grids.fp8 import quantize_weight_fp8
-from lowbit.quantize.grids.integer import IntScheme
-from lowbit.quantize.grids.quantized_weight import quantize_rtn
+from lowbit.quantize.grids.integer import IntScheme, quantize_rtn
 from lowbit.quantize.runtime import backends
 from lowbit.quantize.runtime.fp8_linear import FP8Linear
 from lowbit.quantize.runtime.qlinear import QuantLinear

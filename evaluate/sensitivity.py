@@ -28,7 +28,7 @@ from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme, fallback_type, quant
 from lowbit.quantize.grids.gguf_plan import F16
 from lowbit.quantize.grids.int_plan import fits_columns, format_bytes, int_format
 from lowbit.quantize.grids.kv import KVCacheConfig
-from lowbit.quantize.grids.quantized_weight import quantize_rtn
+from lowbit.quantize.grids.integer import quantize_rtn
 from lowbit.quantize.runtime import kv_cache
 
 from .kl import token_kl

@@ -16,15 +16,11 @@ from torch import nn
 
 from lowbit.calibrate.arch import Arch, arch_for, is_linear, target_linears
 from lowbit.quantize.audit_matrices import MatrixCount, count_matrices
-from lowbit.quantize.grids.gguf import GGUFScheme
-from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.kv import KVCacheConfig
 from lowbit.quantize.grids.linear import LinearScheme
-from lowbit.quantize.runtime.fp8_linear import FP8Linear
-from lowbit.quantize.runtime.gguf_linear import GGUFLinear
+from lowbit.quantize.runtime.checks import scale_problems
 from lowbit.quantize.runtime.kv_cache import SCALE_NAMES, attention_modules
 from lowbit.quantize.runtime.modules import is_quantized_linear
-from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.targets import is_ignored
 
 MAX_LISTED = 10  # problems quoted in the error message; the report keeps all of them
@@ -134,107 +130,12 @@ def audit_model(model: nn.Module, expected: dict[str, LinearScheme], ignored: di
 
 def check_linear(name: str, module: nn.Module, scheme: LinearScheme,
                  storage_dtype: Optional[torch.dtype] = None) -> list[str]:
-    expected = scheme.describe()
-    if isinstance(scheme.weights, GGUFScheme):
-        if not isinstance(module, GGUFLinear):
-            return [f"{name}: is {describe_module(module)}, the recipe asks for {expected}"]
-        return _check_gguf(name, module, scheme)
-    if isinstance(scheme.weights, IntScheme):
-        if not isinstance(module, QuantLinear):
-            return [f"{name}: is {describe_module(module)}, the recipe asks for {expected}"]
-        return _check_int(name, module, scheme, storage_dtype)
-    if not isinstance(module, FP8Linear):
-        return [f"{name}: is {describe_module(module)}, the recipe asks for {expected}"]
-    return _check_fp8(name, module, scheme, storage_dtype)
-
-
-def _check_int(name: str, m: QuantLinear, scheme: LinearScheme, storage_dtype) -> list[str]:
-    s = scheme.weights
-    if m.scheme != s or m.input_quant != scheme.inputs:
-        return [f"{name}: quantized as {describe_module(m)}, the recipe asks for {scheme.describe()}"]
-    rows = 1 if s.strategy == "tensor" else m.out_features
-    shape = (rows, s.num_groups(m.in_features))
-    if tuple(m.weight_scale.shape) != shape:
-        return [f"{name}: weight_scale has shape {tuple(m.weight_scale.shape)}, {s.strategy} needs {shape}"]
-    problems = scale_problems(f"{name}.weight_scale", m.weight_scale, storage_dtype)
-    problems += _range_problems(f"{name}.weight_codes", m.weight_codes, s.qmin, s.qmax)
-    if s.symmetric != (m.weight_zero is None):
-        problems.append(f"{name}: {'symmetric' if s.symmetric else 'asymmetric'} scheme but "
-                        f"{'a' if m.weight_zero is not None else 'no'} zero point")
-    elif m.weight_zero is not None:
-        problems += _zero_problems(f"{name}.weight_zero", m.weight_zero, s)
-    if m.weight_g_idx is not None:
-        problems += _range_problems(f"{name}.weight_g_idx", m.weight_g_idx, 0, shape[1] - 1)
-    if scheme.inputs is not None and not scheme.inputs.dynamic:
-        problems += _static_input_problems(name, m.input_scale, storage_dtype)
-    return problems
-
-
-def _check_fp8(name: str, m: FP8Linear, scheme: LinearScheme, storage_dtype) -> list[str]:
-    want, have = scheme.weights, m.linear_scheme().weights
-    if (want.format, want.strategy, scheme.inputs) != (have.format, have.strategy, m.activations) or \
-            (want.strategy == "block" and want.block_size != have.block_size):
-        return [f"{name}: quantized as {describe_module(m)}, the recipe asks for {scheme.describe()}"]
-    problems = scale_problems(f"{name}.weight_scale", m.weight_scale, storage_dtype)
-    nan = int(torch.isnan(m.weight.float()).sum())
-    if nan:
-        problems.append(f"{name}.weight: {nan} NaN of {m.weight.numel()} FP8 values")
-    if scheme.inputs == "static":
-        problems += _static_input_problems(name, m.input_scale, storage_dtype)
-    return problems
-
-
-def _check_gguf(name: str, m: GGUFLinear, scheme: LinearScheme) -> list[str]:
-    if m.scheme != scheme.weights:
-        return [f"{name}: quantized as {describe_module(m)}, the recipe asks for {scheme.describe()}"]
-    gw = m.gguf_weight()
-    problems = []
-    for field_name in ("d", "dmin"):
-        value = getattr(gw, field_name)
-        bad = 0 if value is None else int((~torch.isfinite(value.float())).sum())
-        if bad:
-            problems.append(f"{name}: {bad} NaN or inf block {field_name} values")
-    return problems
-
-
-def _static_input_problems(name: str, input_scale, storage_dtype) -> list[str]:
-    if input_scale is None:
-        return [f"{name}: static input quantization but no input_scale"]
-    return scale_problems(f"{name}.input_scale", input_scale, storage_dtype)
-
-
-def scale_problems(label: str, scale: torch.Tensor, storage_dtype: Optional[torch.dtype] = None) -> list[str]:
-    """NaN, inf, zero or negative entries of a scale, also after a cast to its storage dtype."""
-    t = scale.detach().float()
-    n = t.numel()
-    bad = {"NaN": torch.isnan(t), "inf": torch.isinf(t), "zero": t == 0, "negative": t < 0}
-    found = [f"{int(mask.sum())} {kind}" for kind, mask in bad.items() if mask.any()]
-    if found:
-        return [f"{label}: {', '.join(found)} of {n} values"]
-    if storage_dtype is not None and storage_dtype != torch.float32:
-        stored = t.to(storage_dtype).float()
-        lost = int(((stored == 0) | torch.isinf(stored)).sum())
-        if lost:
-            return [f"{label}: {lost} of {n} values become 0 or inf in {str(storage_dtype).replace('torch.', '')} "
-                    f"(range {t.min().item():.3g} .. {t.max().item():.3g})"]
-    return []
-
-
-def _range_problems(label: str, values: torch.Tensor, lo: int, hi: int) -> list[str]:
-    vmin, vmax = torch.aminmax(values)  # one pass; counting only when something is outside
-    if vmin >= lo and vmax <= hi:
-        return []
-    outside = int(((values < lo) | (values > hi)).sum())
-    return [f"{label}: {outside} values outside [{lo}, {hi}]"]
-
-
-def _zero_problems(label: str, zero: torch.Tensor, s: IntScheme) -> list[str]:
-    z = zero.detach().float()
-    if not torch.isfinite(z).all():
-        return [f"{label}: {int((~torch.isfinite(z)).sum())} NaN or inf zero points"]
-    if not torch.equal(z, z.round()):
-        return [f"{label}: zero points are not integers"]
-    return _range_problems(label, z, s.qmin, s.qmax)
+    """The module's own checks (it knows its format's tensors) once it holds the grid asked for."""
+    if not is_quantized_linear(module):
+        return [f"{name}: is {describe_module(module)}, the recipe asks for {scheme.describe()}"]
+    if not module.holds(scheme):
+        return [f"{name}: quantized as {describe_module(module)}, the recipe asks for {scheme.describe()}"]
+    return module.audit(name, storage_dtype)
 
 
 def check_kv(model: nn.Module, kv: Optional[KVCacheConfig], arch: Optional[Arch]) -> tuple[str, list[str]]:

@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
-
 from torch import nn
 
 from lowbit.calibrate.arch import Arch, decoder_layers, is_linear, linear_weight, matches_name, target_linears
-from lowbit.quantize.grids.gguf_plan import GGUFTypes, linear_type, output_type
+from lowbit.quantize.grids.plan import Slot
 
 
 is_ignored = matches_name  # the recipe's ignore list: exact names, trailing paths, re:REGEX
@@ -39,18 +37,25 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     model.set_submodule(name, new)
 
 
-def gguf_types(model: nn.Module, arch: Arch, names, types: GGUFTypes) -> dict[str, Optional[str]]:
-    """The GGML type of each named linear under a llama.cpp file type (None: stays 16-bit, its
-    rows split into no block): decoder-layer linears by their role and layer, others (lm_head)
-    as the output matrix."""
+def slots(model: nn.Module, arch: Arch, names) -> list[Slot]:
+    """The named linears as a plan sees them: their rows' length and their decoder layer."""
     layers = len(decoder_layers(model, arch))
     prefix = arch.layers + "."
-    out = {}
+    out = []
     for name in names:
         module = model.get_submodule(name)  # float, or already quantized when the audit asks
         cols = module.in_features if hasattr(module, "in_features") else linear_weight(module).shape[1]
-        if name.startswith(prefix):
-            out[name] = linear_type(types, name, int(name[len(prefix):].split(".")[0]), layers, cols)
-        else:
-            out[name] = output_type(types, cols)
+        layer = int(name[len(prefix):].split(".")[0]) if name.startswith(prefix) else None
+        out.append(Slot(name, cols, layer, layers))
     return out
+
+
+def planned_targets(model: nn.Module, arch: Arch, ignore: tuple[str, ...], plan) -> tuple[Targets, dict]:
+    """The targets and each one's grid under the recipe's plan (`scheme:`), every grid checked
+    against its linear before anything changes; those the plan keeps 16-bit move to targets.ignored."""
+    targets = select_targets(model, arch, ignore)
+    grids, kept = plan.assign(slots(model, arch, targets.linears))
+    for name, why in kept.items():
+        targets.ignored[name] = why
+        del targets.linears[name]
+    return targets, grids

@@ -24,11 +24,7 @@ from lowbit.quantize.steps.registry import STEPS
 from lowbit.quantize.audit import AuditReport, audit_model, damping_notes, fallback_notes, planned_targets
 from lowbit.quantize.runtime.modules import is_quantized_linear
 from lowbit.quantize.grids.kv import KVCacheConfig
-from lowbit.quantize.grids.integer import IntScheme
-from lowbit.quantize.grids.gguf import GGUFScheme
-from lowbit.quantize.grids.gguf_plan import GGUFTypes, sixteen_bit_reason
-from lowbit.quantize.grids.int_plan import PLANNED_SIXTEEN_BIT, IntTypes
-from lowbit.quantize.targets import gguf_types
+from lowbit.quantize.targets import slots
 
 from .checkpoint_files import RECIPE_FILE, config_disagreements, file_integrity, read_config
 from .schema import Recipe, parse_recipe
@@ -52,7 +48,7 @@ def expected_schemes(recipe: Recipe, model: nn.Module, arch: Arch):
             for name, scheme in _per_linear(writes, model, arch, targeted, ignored).items():
                 expected.setdefault(name, scheme)
         if inputs is not None:
-            expected = {n: LinearScheme(s.weights, inputs) if isinstance(s.weights, IntScheme) else s
+            expected = {n: LinearScheme(s.weights, inputs) if s.weights.takes_inputs(inputs) else s
                         for n, s in expected.items()}
         kv = spec.kv_cache(step.config) or kv
     for name in targeted:
@@ -62,31 +58,12 @@ def expected_schemes(recipe: Recipe, model: nn.Module, arch: Arch):
 
 
 def _per_linear(writes: LinearScheme, model: nn.Module, arch: Arch, targeted, ignored: dict) -> dict:
-    """What a step leaves on each targeted linear: its one scheme, or under a llama.cpp file type
-    each linear's GGML type (those no block fits stay 16-bit, as the step leaves them), or under a
-    format per linear each one's planned IntScheme."""
-    if isinstance(writes.weights, IntTypes):
-        return _per_linear_int(writes.weights, targeted, ignored)
-    if not isinstance(writes.weights, GGUFTypes):
-        return {name: writes for name in targeted}
-    out = {}
-    for name, kind in gguf_types(model, arch, targeted, writes.weights).items():
-        if kind is None:
-            ignored[name] = sixteen_bit_reason(writes.weights, name)
-        else:
-            out[name] = LinearScheme(GGUFScheme(kind))
-    return out
-
-
-def _per_linear_int(types: IntTypes, targeted, ignored: dict) -> dict:
-    out = {}
-    for name in targeted:
-        scheme = types.scheme_of(name)
-        if scheme is None:
-            ignored[name] = PLANNED_SIXTEEN_BIT
-        else:
-            out[name] = LinearScheme(scheme)
-    return out
+    """What a step leaves on each targeted linear: the grid its plan gives it (one grid, each
+    linear's GGML type under a llama.cpp file type, each one's format under a format per linear),
+    with the step's inputs; those the plan keeps 16-bit join `ignored`, as the step leaves them."""
+    grids, kept = writes.weights.assign(slots(model, arch, targeted))
+    ignored.update(kept)
+    return {name: LinearScheme(grid, writes.inputs) for name, grid in grids.items()}
 
 
 def audit_run(model: nn.Module, recipe: Recipe, arch: Arch, steps: list[dict]) -> AuditReport:

@@ -5,9 +5,9 @@ from lowbit.calibrate.arch import arch_for, target_linears
 from lowbit.calibrate.checks import check_finite_weights
 from lowbit.evaluate.perplexity import bos_id
 from lowbit.export.formats.gguf.names import arch_of, stacked_name
-from lowbit.quantize.targets import gguf_types, is_ignored
+from lowbit.quantize.targets import is_ignored, slots
 
-from .gguf_defaults import recipe_file_type
+from .gguf_defaults import recipe_plan
 
 
 def preflight(recipe, model, tokenizer) -> None:
@@ -27,16 +27,18 @@ def preflight_settings(recipe, model, tokenizer) -> None:
 def check_one_type_per_experts(recipe, model) -> None:
     """llama.cpp stores a layer's experts as one tensor of one type: a plan (scheme.types, `lowbit
     fit`) or an ignore list that splits them fails here, not after the quantization."""
-    types = recipe_file_type(recipe)
-    if types is None or not (types.types or recipe.ignore):
-        return  # llama.cpp's own rules give every expert of a layer one type
+    plan = recipe_plan(recipe)
+    if plan is None:
+        return
     arch = arch_for(model)
-    planned = gguf_types(model, arch, list(target_linears(model, arch)), types)
+    names = list(target_linears(model, arch))
+    grids, _ = plan.assign(slots(model, arch, names))
     by_stack: dict[str, dict[str, str]] = {}
-    for name, kind in planned.items():
+    for name in names:
         stacked = stacked_name(f"{name}.weight")
         if stacked is not None:
-            kind = "16-bit (ignored)" if is_ignored(name, recipe.ignore) else (kind or "16-bit")
+            kind = grids[name].describe() if name in grids else "16-bit"
+            kind = "16-bit (ignored)" if is_ignored(name, recipe.ignore) else kind
             by_stack.setdefault(stacked[0], {})[name] = kind
     for stack, kinds in by_stack.items():
         values = list(kinds.values())

@@ -62,7 +62,7 @@ def broadcast(out: str) -> None:
 
 
 def fault(kind: str, argv: list[str]) -> int:
-    import lowbit.quantize.steps.gptq as gptq
+    import lowbit.quantize.steps.gptq_solver as gptq_solver
     from lowbit.recipes.cli import main
 
     def faulty(*args, **kwargs):
@@ -73,7 +73,7 @@ def fault(kind: str, argv: list[str]) -> int:
         time.sleep(600)
 
     if os.environ["RANK"] == "1":
-        gptq.gptq_solve = faulty
+        gptq_solver.gptq_solve = faulty
     return main(argv)
 
 

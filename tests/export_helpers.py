@@ -9,10 +9,9 @@ from tiny_models import make_tiny_model
 from lowbit.calibrate.arch import arch_for, linear_weight
 from lowbit.export import checkpoint
 from lowbit.quantize.steps import rtn
-from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.integer import IntScheme, quantize_rtn
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.steps.context import StepContext
-from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
 W4_GROUP = IntScheme(bits=4, symmetric=True, strategy="group", group_size=32)
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from tiny_models import make_tiny_model, save_tiny_llama
 from lowbit.calibrate.arch import arch_for
-from lowbit.quantize.steps import rtn
+from lowbit.quantize.grids import integer
 from lowbit.quantize.audit import AuditError, audit_model
 from lowbit.quantize.steps.context import StepContext
 from lowbit.recipes.audit import audit_run, expected_schemes
@@ -273,7 +273,7 @@ def test_cli_audit_bad_input_exits_2(run_dir, tmp_path, capsys):
 
 
 def test_failed_audit_leaves_no_checkpoint(run_dir, tmp_path, monkeypatch, capsys):
-    real = rtn.quantize_rtn
+    real = integer.quantize_rtn
 
     def nan_scales(w, scheme):
         qw = real(w, scheme)
@@ -281,7 +281,7 @@ def test_failed_audit_leaves_no_checkpoint(run_dir, tmp_path, monkeypatch, capsy
             qw.scale[0, 0] = float("nan")
         return qw
 
-    monkeypatch.setattr(rtn, "quantize_rtn", nan_scales)
+    monkeypatch.setattr(integer, "quantize_rtn", nan_scales)
     out = tmp_path / "run"
     code = main(["run", "w4a16-rtn", "--model", str(run_dir[0]), "--output", str(out),
                  "--set", "scheme.group_size=32", *QUICK])

@@ -58,9 +58,8 @@ def test_decode_bytes_count_codes_at_their_bit_width_whatever_the_backend(bits, 
     """A (64, 256) layer: codes bits/8 bytes per weight (not QuantLinear's int8 storage), scales
     float32, bias; the same with the reference path and with every kernel variant attached."""
     from lowbit.quantize.runtime import backends
-    from lowbit.quantize.grids.integer import IntScheme
+    from lowbit.quantize.grids.integer import IntScheme, quantize_rtn
     from lowbit.quantize.runtime.qlinear import QuantLinear
-    from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
     scheme = IntScheme(bits, True, "group" if group else "channel", group)
     layer = QuantLinear.from_quantized(quantize_rtn(torch.randn(64, 256), scheme), torch.zeros(64))

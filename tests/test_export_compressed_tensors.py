@@ -9,9 +9,8 @@ from export_helpers import (W4_GROUP, act_order_tiny, compare_logits, dense_in, 
 from lowbit.export import checkpoint
 from lowbit.export.formats.compressed_tensors import packed as ct_packed
 from lowbit.export.config import ExportConfig
-from lowbit.quantize.grids.integer import IntScheme, pack_codes, unpack_codes
+from lowbit.quantize.grids.integer import IntScheme, pack_codes, quantize_rtn, unpack_codes
 from lowbit.quantize.runtime.qlinear import QuantLinear
-from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
 ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 

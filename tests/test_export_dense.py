@@ -17,8 +17,7 @@ from tiny_models import save_tiny_llama
 from lowbit.evaluate.memory import checkpoint_weight_bytes, model_weight_bytes
 from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
-from lowbit.quantize.grids.integer import IntScheme
-from lowbit.quantize.grids.quantized_weight import quantize_rtn
+from lowbit.quantize.grids.integer import IntScheme, quantize_rtn
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.recipes.cli import main
 

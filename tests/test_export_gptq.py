@@ -9,9 +9,8 @@ from export_helpers import (W4_GROUP, act_order_tiny, compare_logits, load_witho
 from lowbit.export import checkpoint
 from lowbit.export.formats import gptq as gptq_format
 from lowbit.export.config import ExportConfig
-from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.integer import IntScheme, quantize_rtn
 from lowbit.quantize.runtime.qlinear import QuantLinear
-from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
 
 def unpack_rows(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:

@@ -90,7 +90,7 @@ def test_a_layer_whose_experts_have_different_types_is_refused_naming_them(tmp_p
     printed = capsys.readouterr()
     assert code == 2
     assert ("llama.cpp stores the experts of model.layers.1.mlp.experts.down_proj as one tensor of one type; "
-            "these differ from the others' q4_0: model.layers.1.mlp.experts.2.down_proj: q8_0") in printed.err
+            "these differ from the others' gguf q4_0: model.layers.1.mlp.experts.2.down_proj: gguf q8_0") in printed.err
     assert "[rtn]" not in printed.out + printed.err and not (tmp_path / "run").exists()  # before any work
 
 

@@ -12,9 +12,8 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from lowbit.quantize.grids.integer import (IntScheme, compute_scale_zero, dequantize_codes, fake_quantize,
-                                        pack_codes, quantize_codes, unpack_codes)
-from lowbit.quantize.grids.quantized_weight import QuantizedWeight, quantize_rtn
+from lowbit.quantize.grids.integer import (IntScheme, QuantizedWeight, compute_scale_zero, dequantize_codes,
+                                           fake_quantize, pack_codes, quantize_codes, quantize_rtn, unpack_codes)
 from lowbit.recipes.schema import Recipe, load_recipe
 from lowbit.quantize.steps.registry import STEPS
 from lowbit.recipes.validate import RecipeError

@@ -13,10 +13,9 @@ from lowbit.quantize.runtime import int8_inputs as activation
 from lowbit.quantize.steps import int8_inputs as input_quant
 from lowbit.quantize.steps import rtn
 from lowbit.quantize.grids.inputs import InputQuant, per_token_scale
-from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.integer import IntScheme, quantize_rtn
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.steps.context import StepContext
-from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
 from tiny_models import make_tiny_model
 

@@ -16,9 +16,8 @@ from torch import nn
 from lowbit.calibrate.hardware import cpu_info
 from lowbit.quantize.runtime import backends
 from lowbit.quantize.runtime import cpu_kernels
-from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.integer import IntScheme, quantize_rtn
 from lowbit.quantize.runtime.qlinear import QuantLinear
-from lowbit.quantize.grids.quantized_weight import quantize_rtn
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

@@ -4,19 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.integer import IntScheme, fake_quantize, quantize_rtn
 from lowbit.calibrate.arch import arch_for, decoder_layers
 from lowbit.calibrate.hardware import cpu_info
 from lowbit.calibrate.walker import capture_first_layer_inputs, record_linear_inputs
-from lowbit.quantize.steps import gptq
+from lowbit.quantize.steps import gptq, gptq_solver
 from lowbit.quantize.grids.scale_search import search_scale_zero
 from lowbit.quantize.steps.gptq import GPTQConfig
 from lowbit.quantize.steps.gptq_solver import HessianAccumulator, gptq_solve, quantize_weight
 from lowbit.quantize.steps.layerwise import resolve_forward_dtype
-from lowbit.quantize.grids.integer import fake_quantize
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.steps.context import StepContext
-from lowbit.quantize.grids.quantized_weight import quantize_rtn
 from tiny_models import make_tiny_model
 
 
@@ -230,7 +228,7 @@ def test_down_proj_is_solved_last_with_the_rest_of_its_layer_let_go(monkeypatch,
     left. With true_sequential the float linears stay until the layer is done (later groups read them)."""
     model = make_tiny_model("llama")
     layer = decoder_layers(model, arch_for(model))[0]
-    real, seen = gptq.gptq_solve, []
+    real, seen = gptq_solver.gptq_solve, []
 
     def watched(W, H, cfg):
         first_down = H.columns == model.config.intermediate_size and not seen  # layer 0's down_proj
@@ -241,7 +239,7 @@ def test_down_proj_is_solved_last_with_the_rest_of_its_layer_let_go(monkeypatch,
             seen.append(layer.mlp.down_proj.weight.is_meta)
         return result
 
-    monkeypatch.setattr(gptq, "gptq_solve", watched)
+    monkeypatch.setattr(gptq_solver, "gptq_solve", watched)
     ids = torch.randint(3, 500, (4, 32), generator=torch.Generator().manual_seed(0))
     cfg = GPTQConfig(scheme=IntScheme(4, True, "group", 32), true_sequential=true_sequential)
     gptq.apply(StepContext(model, arch_for(model), ["lm_head"], lambda: ids), cfg)

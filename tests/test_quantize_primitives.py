@@ -1,9 +1,8 @@
 import pytest
 import torch
 
-from lowbit.quantize.grids.integer import (IntScheme, check_group_size, compute_scale_zero, pack_codes,
-                                        unpack_codes)
-from lowbit.quantize.grids.quantized_weight import quantize_rtn
+from lowbit.quantize.grids.integer import (IntScheme, check_group_size, compute_scale_zero, pack_codes, quantize_rtn,
+                                           unpack_codes)
 
 SCHEMES = [
     IntScheme(bits=b, symmetric=s, strategy=st, group_size=64 if st == "group" else None)

@@ -4,8 +4,7 @@ import torch
 
 from tiny_models import make_tiny_model
 from lowbit.calibrate.arch import arch_for
-from lowbit.quantize.grids.integer import IntScheme
-from lowbit.quantize.grids.quantized_weight import quantize_rtn
+from lowbit.quantize.grids.integer import IntScheme, quantize_rtn
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS

@@ -93,7 +93,7 @@ def test_layer_state_round_trips_exactly(tiny_dir, tmp_path):
     from lowbit.calibrate.models import load_model
     from lowbit.quantize.runtime.qlinear import QuantLinear
     from lowbit.quantize.grids.integer import IntScheme
-    from lowbit.quantize.grids.quantized_weight import quantize_rtn
+    from lowbit.quantize.grids.integer import quantize_rtn
 
     model, _, _ = load_model(str(tiny_dir))
     layer = model.model.layers[1]

@@ -21,9 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lowbit.quantize.grids.fp8 import quantize_weight_fp8
 from lowbit.quantize.grids.gguf import GGUFScheme, quantize_gguf
 from lowbit.quantize.grids.inputs import InputQuant
-from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.integer import IntScheme, QuantizedWeight, quantize_rtn
 from lowbit.quantize.grids.kv import KVCacheConfig, static_scale
-from lowbit.quantize.grids.quantized_weight import QuantizedWeight, quantize_rtn
 from lowbit.quantize.runtime.buffers import on_device
 from lowbit.quantize.runtime.compact import PackedLinear
 from lowbit.quantize.runtime.fp8_linear import FP8Linear

@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from lowbit.calibrate.messages import short_repr
+from lowbit.quantize.grids.plan import Assignment, Slot
 
 FP8Format = Literal["e4m3", "e5m2"]  # e4m3: more precision (weights, activations); e5m2: more range
 WeightStrategy = Literal["tensor", "channel", "block"]
@@ -35,6 +36,25 @@ class FP8Scheme:
             raise ValueError(f"strategy must be one of tensor, channel, block; got {short_repr(self.strategy)}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+    def assign(self, slots: list[Slot]) -> Assignment:
+        return {slot.name: self for slot in slots}, {}  # any shape: edge blocks are padded
+
+    def record(self, grids: dict) -> dict:
+        return {}
+
+    def embedding_grid(self, cols: int, tied: bool) -> None:
+        return None  # no rule of its own for the token embedding
+
+    def scales_per_row(self) -> bool:
+        return self.strategy != "tensor"
+
+    def takes_inputs(self, inputs) -> bool:
+        """FP8 weights pair with an activation mode: dynamic, static or none."""
+        return inputs in ("dynamic", "static", "none")
+
+    def describe(self, activations: ActivationMode = "none") -> str:
+        return f"fp8 {self.format} {self.strategy}, activations {activations}"
 
 
 def fp8_dtype(fmt: FP8Format) -> torch.dtype:

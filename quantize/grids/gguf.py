@@ -28,6 +28,8 @@ class _Layout:
     has_min: bool  # M present (Q4_1's min, Q4_K's dmin · sub-block min)
 
 
+SEARCH_BLOCK = 32  # the weights a search (AWQ's) judges together on any GGML grid
+
 LAYOUTS = {
     "q8_0": _Layout(32, 32, 34, -128, 127, False),
     "q4_0": _Layout(32, 32, 18, -8, 7, False),
@@ -59,6 +61,8 @@ def fallback_type(type: str, cols: int) -> Optional[str]:
 class GGUFScheme:
     """One GGML block type; bits_per_weight counts the scales too (Q4_K: 4.5)."""
 
+    FAMILY = "gguf"  # the key of this format in the registries (runtime module, GPTQ solver)
+
     type: str = "q4_k"
 
     def __post_init__(self):
@@ -68,6 +72,24 @@ class GGUFScheme:
     @property
     def layout(self) -> _Layout:
         return LAYOUTS[self.type]
+
+    def takes_inputs(self, inputs) -> bool:
+        return inputs is None  # llama.cpp decides how a GGUF tensor's inputs are multiplied
+
+    def describe(self, inputs=None) -> str:
+        return f"gguf {self.type}"
+
+    def round(self, w: torch.Tensor, name: str = "weight") -> "GGUFWeight":
+        return quantize_gguf(w, self, name)
+
+    def search_groups(self, w: torch.Tensor) -> torch.Tensor:
+        """w (rows, in) as (rows, in / 32, 32): searches judge 32 weights together, the smallest GGML
+        block (Q4_K's sub-blocks too), whatever the type."""
+        return w.reshape(w.shape[0], -1, SEARCH_BLOCK)
+
+    def fake_round(self, w: torch.Tensor, name: str = "weight") -> torch.Tensor:
+        """w rounded as llama.cpp's reference quantizer rounds it, and back, in w's dtype."""
+        return quantize_gguf(w.float(), self, name).dequantize().to(w.dtype)
 
     @property
     def block_size(self) -> int:
@@ -94,6 +116,8 @@ class GGUFScheme:
 @dataclass
 class GGUFWeight:
     """A weight on a GGML grid: levels plus the block fields a .gguf tensor stores."""
+
+    FAMILY = "gguf"  # its format's key in the registries (runtime module, GPTQ solver)
 
     scheme: GGUFScheme
     levels: torch.Tensor  # (rows, cols) int16, offsets removed: value = S·level + M

@@ -21,7 +21,8 @@ from typing import Optional
 
 from lowbit.calibrate.arch import matches_name
 from lowbit.calibrate.messages import short_repr
-from lowbit.quantize.grids.gguf import LAYOUTS, fallback_type
+from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme, fallback_type
+from lowbit.quantize.grids.plan import Assignment, Slot
 
 BASE_TYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
              "q4_k_m": "q4_k", "q6_k": "q6_k"}  # no Q5_K here, so no q4_k_s or q5_k_m
@@ -57,7 +58,36 @@ class GGUFTypes:
     def base(self) -> str:
         return BASE_TYPE[self.gguf]
 
-    def describe(self) -> str:
+    def scales_per_row(self) -> bool:
+        return True
+
+    def assign(self, slots: list[Slot]) -> Assignment:
+        """Each slot's GGML type by llama.cpp's rules: decoder-layer linears by their role and layer,
+        others (lm_head) as the output matrix; rows no block divides stay 16-bit."""
+        grids, kept = {}, {}
+        for slot in slots:
+            if slot.layer is None:
+                kind = output_type(self, slot.cols)
+            else:
+                kind = linear_type(self, slot.name, slot.layer, slot.layers, slot.cols)
+            if kind is None:
+                kept[slot.name] = sixteen_bit_reason(self, slot.name)
+            else:
+                grids[slot.name] = GGUFScheme(kind)
+        return grids, kept
+
+    def embedding_grid(self, cols: int, tied: bool) -> Optional[GGUFScheme]:
+        """The token embedding's GGML type by llama.cpp's rule (None: rows no block divides)."""
+        kind = embedding_type(self, cols, tied)
+        return None if kind is None else GGUFScheme(kind)
+
+    def record(self, grids: dict) -> dict:
+        return {"types": {name: grid.type for name, grid in grids.items()}}
+
+    def takes_inputs(self, inputs) -> bool:
+        return inputs is None  # a plan of weight formats; no input quantization joins it
+
+    def describe(self, inputs=None) -> str:
         return f"gguf {self.gguf}{' pure' if self.pure else ''}"
 
 

@@ -14,7 +14,8 @@ from typing import Optional
 
 from lowbit.calibrate.arch import matches_name
 from lowbit.calibrate.messages import short_repr
-from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.integer import IntScheme, check_group_size
+from lowbit.quantize.grids.plan import Assignment, Slot
 
 F16 = "f16"  # stays 16-bit
 FORMAT = re.compile(r"^int([2-8])(?:_g(\d+))?$")
@@ -81,10 +82,34 @@ class IntTypes:
                 return kind
         return self.default
 
+    def scales_per_row(self) -> bool:
+        return True
+
+    def assign(self, slots: list[Slot]) -> Assignment:
+        """Each slot's format; f16 ones stay 16-bit. Every group size is checked first."""
+        grids, kept = {}, {}
+        for slot in slots:
+            scheme = self.scheme_of(slot.name)
+            if scheme is None:
+                kept[slot.name] = PLANNED_SIXTEEN_BIT
+                continue
+            check_group_size(scheme, slot.cols, slot.name)
+            grids[slot.name] = scheme
+        return grids, kept
+
+    def embedding_grid(self, cols: int, tied: bool) -> None:
+        return None  # no rule of its own for the token embedding
+
+    def record(self, grids: dict) -> dict:
+        return {}
+
     def scheme_of(self, name: str) -> Optional[IntScheme]:
         """The linear's IntScheme, or None where the plan keeps it 16-bit."""
         return int_format(self.format_of(name))
 
-    def describe(self) -> str:
+    def takes_inputs(self, inputs) -> bool:
+        return inputs is None  # a plan of weight formats; no input quantization joins it
+
+    def describe(self, inputs=None) -> str:
         kinds = sorted(set(self.formats.values()) | {self.default})
         return "int formats per linear: " + ", ".join(kinds)

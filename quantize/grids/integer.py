@@ -11,6 +11,8 @@ from typing import Literal, Optional
 import torch
 
 from lowbit.calibrate.messages import short_repr
+from lowbit.quantize.grids.inputs import InputQuant
+from lowbit.quantize.grids.plan import Assignment, Slot
 
 Strategy = Literal["tensor", "channel", "group"]
 
@@ -18,6 +20,8 @@ Strategy = Literal["tensor", "channel", "group"]
 @dataclass(frozen=True)
 class IntScheme:
     """How a weight maps onto an integer grid."""
+
+    FAMILY = "int"  # the key of this format in the registries (runtime module, GPTQ solver)
 
     bits: int = 4
     symmetric: bool = True  # symmetric: zero point fixed at 0; asymmetric: a zero point per group
@@ -46,6 +50,78 @@ class IntScheme:
 
     def num_groups(self, in_features: int) -> int:
         return in_features // self.group_size if self.strategy == "group" else 1
+
+    def takes_inputs(self, inputs) -> bool:
+        """Inputs an integer grid pairs with: 16-bit (None) or integer (an InputQuant)."""
+        return inputs is None or isinstance(inputs, InputQuant)
+
+    def scales_per_row(self) -> bool:
+        """Whether each row has scales of its own (GPTQ and AWQ solve and search per row)."""
+        return self.strategy != "tensor"
+
+    def assign(self, slots: list[Slot]) -> Assignment:
+        """This grid on every slot, once each group size is checked against its rows."""
+        for slot in slots:
+            check_group_size(self, slot.cols, slot.name)
+        return {slot.name: self for slot in slots}, {}
+
+    def embedding_grid(self, cols: int, tied: bool) -> None:
+        return None  # no rule of its own for the token embedding
+
+    def record(self, grids: dict) -> dict:
+        return {}
+
+    def round(self, w: torch.Tensor, name: str = "weight") -> "QuantizedWeight":
+        return quantize_rtn(w, self)
+
+    def search_groups(self, w: torch.Tensor) -> torch.Tensor:
+        """w (rows, in) as (rows, G, group): the slices a search (AWQ's) judges together."""
+        return grouped(w, self)
+
+    def fake_round(self, w: torch.Tensor, name: str = "weight") -> torch.Tensor:
+        """w rounded to nearest on min/max scales and back, float32: what a search judges."""
+        scale, zero = compute_scale_zero(w, self)
+        return dequantize_codes(quantize_codes(w, scale, zero, self), scale, zero, self)
+
+    def describe(self, inputs: Optional[InputQuant] = None) -> str:
+        group = f" {self.group_size}" if self.group_size else ""
+        act = "" if inputs is None else f" + int{inputs.bits} {'per-token' if inputs.dynamic else 'static'} inputs"
+        return f"int{self.bits} {'sym' if self.symmetric else 'asym'} {self.strategy}{group}{act}"
+
+
+@dataclass
+class QuantizedWeight:
+    FAMILY = "int"  # its format's key in the registries (runtime module, GPTQ solver)
+    codes: torch.Tensor  # (out, in) int8 in [-2^(bits-1), 2^(bits-1))
+    scale: torch.Tensor  # (out, G) float32, or (1, 1) per-tensor
+    zero: Optional[torch.Tensor]  # (out, G) like scale, integer-valued, signed; None when symmetric
+    scheme: IntScheme
+    g_idx: Optional[torch.Tensor] = None  # (in,) group of each input column, for act-order
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def row_slice(self, rows: slice) -> "QuantizedWeight":
+        zero = None if self.zero is None else self.zero[rows]
+        return QuantizedWeight(self.codes[rows], self.scale[rows], zero, self.scheme, self.g_idx)
+
+    def dequantize(self) -> torch.Tensor:
+        if self.g_idx is None:
+            return dequantize_codes(self.codes, self.scale, self.zero, self.scheme)
+        # act-order with permuted groups: column j uses group g_idx[j]
+        s = self.scale[:, self.g_idx]
+        q = self.codes.float()
+        if self.zero is not None:
+            q = q - self.zero.float()[:, self.g_idx]
+        return q * s
+
+
+def quantize_rtn(w: torch.Tensor, scheme: IntScheme) -> QuantizedWeight:
+    """Round-to-nearest on min/max scales: the baseline every other algorithm must beat."""
+    scale, zero = compute_scale_zero(w, scheme)
+    codes = quantize_codes(w, scale, zero, scheme)
+    return QuantizedWeight(codes, scale.float(), zero, scheme)
 
 
 def valid_group_sizes(in_features: int) -> list[int]:

@@ -6,7 +6,7 @@ which one they hold; the audit compares the two.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Union
 
 from lowbit.calibrate.messages import short_repr
 from lowbit.quantize.grids.fp8 import ActivationMode, FP8Scheme
@@ -29,29 +29,8 @@ class LinearScheme:
     inputs: Union[InputQuant, ActivationMode, None] = None
 
     def __post_init__(self):
-        if isinstance(self.weights, (GGUFScheme, GGUFTypes, IntTypes)):
-            if self.inputs is not None:
-                raise ValueError(f"{type(self.weights).__name__} weights cannot take inputs {short_repr(self.inputs)}")
-            return
-        fp8 = isinstance(self.weights, FP8Scheme)
-        if fp8 != isinstance(self.inputs, str) or (not fp8 and not isinstance(self.inputs, (InputQuant, type(None)))):
+        if not self.weights.takes_inputs(self.inputs):
             raise ValueError(f"{type(self.weights).__name__} weights cannot take inputs {short_repr(self.inputs)}")
 
     def describe(self) -> str:
-        if isinstance(self.weights, IntScheme):
-            return describe_int(self.weights, self.inputs)
-        if isinstance(self.weights, GGUFScheme):
-            return f"gguf {self.weights.type}"
-        if isinstance(self.weights, (GGUFTypes, IntTypes)):
-            return self.weights.describe()
-        return describe_fp8(self.weights, self.inputs)
-
-
-def describe_int(s: IntScheme, inputs: Optional[InputQuant] = None) -> str:
-    group = f" {s.group_size}" if s.group_size else ""
-    act = "" if inputs is None else f" + int{inputs.bits} {'per-token' if inputs.dynamic else 'static'} inputs"
-    return f"int{s.bits} {'sym' if s.symmetric else 'asym'} {s.strategy}{group}{act}"
-
-
-def describe_fp8(s: FP8Scheme, activations: ActivationMode) -> str:
-    return f"fp8 {s.format} {s.strategy}, activations {activations}"
+        return self.weights.describe(self.inputs)

@@ -13,6 +13,7 @@ multiplies by the dequantized weight.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -31,6 +32,7 @@ from lowbit.quantize.grids.fp8 import (
 )
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.runtime.buffers import RuntimeModule, fill_buffers, one_device
+from lowbit.quantize.runtime.checks import scale_problems, static_input_problems
 
 
 class FP8Linear(RuntimeModule):
@@ -75,6 +77,23 @@ class FP8Linear(RuntimeModule):
 
     def linear_scheme(self) -> LinearScheme:
         return LinearScheme(FP8Scheme(self.fmt, self.weight_strategy, self.block_size), self.activations)
+
+    def holds(self, scheme: LinearScheme) -> bool:
+        have = self.linear_scheme()
+        if self.weight_strategy != "block" and type(scheme.weights) is type(have.weights):
+            # outside strategy block a block size means nothing: whichever the recipe wrote matches
+            have = LinearScheme(replace(have.weights, block_size=scheme.weights.block_size), have.inputs)
+        return scheme == have
+
+    def audit(self, name: str, storage_dtype=None) -> list[str]:
+        """Non-usable scales and NaN weights (a saturating cast never makes inf)."""
+        problems = scale_problems(f"{name}.weight_scale", self.weight_scale, storage_dtype)
+        nan = int(torch.isnan(self.weight.float()).sum())
+        if nan:
+            problems.append(f"{name}.weight: {nan} NaN of {self.weight.numel()} FP8 values")
+        if self.activations == "static":
+            problems += static_input_problems(name, self.input_scale, storage_dtype)
+        return problems
 
     def input_scale_for(self, x: torch.Tensor) -> torch.Tensor:
         """The activation scale: per token (dynamic) or the calibrated scalar (static)."""

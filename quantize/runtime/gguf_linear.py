@@ -55,6 +55,20 @@ class GGUFLinear(RuntimeModule):
     def linear_scheme(self) -> LinearScheme:
         return LinearScheme(self.scheme)
 
+    def holds(self, scheme: LinearScheme) -> bool:
+        return self.linear_scheme() == scheme
+
+    def audit(self, name: str, storage_dtype=None) -> list[str]:
+        """Non-finite block scales (the levels are in range by construction: packed bits)."""
+        gw = self.gguf_weight()
+        problems = []
+        for field_name in ("d", "dmin"):
+            value = getattr(gw, field_name)
+            bad = 0 if value is None else int((~torch.isfinite(value.float())).sum())
+            if bad:
+                problems.append(f"{name}: {bad} NaN or inf block {field_name} values")
+        return problems
+
     def _apply(self, fn, recurse=True):
         self._dense = None  # moved or cast: decode again from the bytes
         return super()._apply(fn, recurse)

@@ -8,8 +8,15 @@ from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 from lowbit.quantize.runtime.qlinear import QuantLinear
 
 QUANTIZED_LINEARS = (QuantLinear, FP8Linear, GGUFLinear)
+# a rounded weight's FAMILY -> the module that holds it in place of its linear
+BUILDERS = {"int": QuantLinear.from_quantized, "gguf": GGUFLinear.from_weight}
 
 
 def is_quantized_linear(module: nn.Module) -> bool:
     """A lowbit runtime module (integer, FP8 or GGUF-block weights) where the float model had a linear."""
     return isinstance(module, QUANTIZED_LINEARS)
+
+
+def module_for(weight, bias) -> nn.Module:
+    """The runtime module holding a rounded weight (and the linear's bias)."""
+    return BUILDERS[weight.FAMILY](weight, bias)

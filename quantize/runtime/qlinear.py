@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.quantize.grids.inputs import InputQuant
-from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.integer import IntScheme, QuantizedWeight
 from lowbit.quantize.grids.linear import LinearScheme
-from lowbit.quantize.grids.quantized_weight import QuantizedWeight
 from lowbit.quantize.runtime.buffers import RuntimeModule, fill_buffers, one_device
+from lowbit.quantize.runtime.checks import range_problems, scale_problems, static_input_problems, zero_problems
 from lowbit.quantize.runtime.int8_inputs import quantized_input_linear
 
 
@@ -56,6 +56,28 @@ class QuantLinear(RuntimeModule):
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.quantized_weight().dequantize()
+
+    def holds(self, scheme: LinearScheme) -> bool:
+        return self.linear_scheme() == scheme
+
+    def audit(self, name: str, storage_dtype=None) -> list[str]:
+        """Problems in the codes, scales, zero points and input scale (shapes, ranges, finiteness)."""
+        s = self.scheme
+        shape = (1 if s.strategy == "tensor" else self.out_features, s.num_groups(self.in_features))
+        if tuple(self.weight_scale.shape) != shape:
+            return [f"{name}: weight_scale has shape {tuple(self.weight_scale.shape)}, {s.strategy} needs {shape}"]
+        problems = scale_problems(f"{name}.weight_scale", self.weight_scale, storage_dtype)
+        problems += range_problems(f"{name}.weight_codes", self.weight_codes, s.qmin, s.qmax)
+        if s.symmetric != (self.weight_zero is None):
+            problems.append(f"{name}: {'symmetric' if s.symmetric else 'asymmetric'} scheme but "
+                            f"{'a' if self.weight_zero is not None else 'no'} zero point")
+        elif self.weight_zero is not None:
+            problems += zero_problems(f"{name}.weight_zero", self.weight_zero, s.qmin, s.qmax)
+        if self.weight_g_idx is not None:
+            problems += range_problems(f"{name}.weight_g_idx", self.weight_g_idx, 0, shape[1] - 1)
+        if self.input_quant is not None and not self.input_quant.dynamic:
+            problems += static_input_problems(name, self.input_scale, storage_dtype)
+        return problems
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_quant is not None:  # W8A8: int8 inputs too, never a weight-only kernel

@@ -12,23 +12,23 @@ the group's output error. AWQ only folds scales and clips: a later step (rtn, gp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Union
 
 import torch
 
-from lowbit.calibrate.arch import is_linear, layer_pairs, linear_weight, target_linears
+from lowbit.calibrate.arch import is_linear, layer_pairs, linear_weight
 from lowbit.calibrate.distributed import all_sum, count_before, mean_rows, sum_int, sum_numbers
 from lowbit.calibrate.walker import (LayerInputs, WhileAlive, first_output, layer_forward, record_linear_inputs,
                                      walk)
 from lowbit.quantize.grids.gguf_plan import GGUFTypes
-from lowbit.quantize.grids.integer import IntScheme, check_group_size, fake_quantize, grouped, scale_zero_from_range
-from lowbit.quantize.steps.awq_gguf import GGUFSearchGrid, search_clip_gguf
-from lowbit.quantize.steps.gguf_rounding import planned_targets
+from lowbit.quantize.grids.integer import IntScheme, fake_quantize, grouped, scale_zero_from_range
+from lowbit.quantize.steps.awq_gguf import search_clip_gguf
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.fold import fold_scale, follower_index
-from lowbit.quantize.steps.smoothing import pair_index, to_prev, token_stride, weight_quantizer
+from lowbit.quantize.steps.smoothing import pair_index, to_prev, token_stride
 from lowbit.quantize.steps.spec import WALK, StepSpec
-from lowbit.quantize.targets import is_ignored
+from lowbit.quantize.targets import is_ignored, planned_targets
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class AWQConfig:
     clip_tokens: Optional[int] = None
 
     def __post_init__(self):
-        if isinstance(self.scheme, IntScheme) and self.scheme.strategy == "tensor":
+        if not self.scheme.scales_per_row():
             raise ValueError("awq searches per-channel or per-group scales; scheme strategy tensor "
                              "is not supported (use channel or group)")
         if self.grid < 1 or self.clip_grid < 1 or not 0.0 <= self.max_shrink < 1.0:
@@ -61,17 +61,13 @@ class AWQConfig:
             raise ValueError(f"clip_tokens must be >= 1 or null (all tokens), got {self.clip_tokens}")
 
 
-def weight_magnitude(weights: list[torch.Tensor], scheme: IntScheme) -> torch.Tensor:
+def weight_magnitude(weights: list[torch.Tensor], grid) -> torch.Tensor:
     """(in,) mean over all rows of |w| relative to its group's absmax."""
     rel = []
     for w in weights:
-        g = _grouped(w.abs(), scheme)  # (out, G, group)
+        g = grid.search_groups(w.abs())  # (out, G, group)
         rel.append((g / g.amax(dim=-1, keepdim=True).clamp(min=1e-8)).reshape(w.shape))
     return torch.cat(rel).mean(dim=0)
-
-
-def _grouped(w: torch.Tensor, scheme) -> torch.Tensor:
-    return w.reshape(w.shape[0], -1, scheme.group_size) if isinstance(scheme, GGUFSearchGrid) else grouped(w, scheme)
 
 
 def search_scale(x_mean, w_mean, error, cfg: AWQConfig):
@@ -95,12 +91,12 @@ class GroupGram:
     row when per-channel). A change d to a row's group g moves the output by x_g·d, whose mean
     square is dᵀ C_g d: the clip search reads every token through C at no cost per token."""
 
-    def __init__(self, scheme: IntScheme):
-        self.scheme, self.sum, self.tokens = scheme, None, 0
+    def __init__(self, grid):
+        self.grid, self.sum, self.tokens = grid, None, 0
 
     def update(self, x2d: torch.Tensor) -> None:
         x = x2d.detach().float().cpu()
-        xg = x.reshape(x.shape[0], -1, self.scheme.group_size or x.shape[1])  # (tokens, G, group)
+        xg = self.grid.search_groups(x)  # (tokens, G, group)
         with torch.autocast("cpu", enabled=False):  # called from hooks inside bf16 autocast
             c = torch.einsum("ngk,ngl->gkl", xg, xg).double()  # float64 sums: ranks add them in another order
         self.sum = c if self.sum is None else self.sum + c
@@ -114,8 +110,8 @@ class GroupGram:
         return (self.sum / max(self.tokens, 1)).float()  # (G, group, group)
 
 
-def group_gram(x: torch.Tensor, scheme: IntScheme) -> torch.Tensor:
-    gram = GroupGram(scheme)
+def group_gram(x: torch.Tensor, grid) -> torch.Tensor:
+    gram = GroupGram(grid)
     gram.update(x)
     return gram.result()
 
@@ -191,10 +187,9 @@ class BlockError:
     The blocks' calls (args, kwargs, float output) are recorded once, in one layer forward.
     """
 
-    def __init__(self, layer, pair, inputs: LayerInputs, device, scheme, prefix: str = ""):
+    def __init__(self, layer, pair, inputs: LayerInputs, device, grid_of, prefix: str = ""):
         self.layer, self.pair = layer, pair
-        self.quant = {n: scheme.quantizer(f"{prefix}.{n}") if isinstance(scheme, GGUFSearchGrid)
-                      else weight_quantizer(scheme) for n in pair.linears}
+        self.quant = {n: partial(grid_of(f"{prefix}.{n}").fake_round, name=f"{prefix}.{n}") for n in pair.linears}
         self.targets = block_targets(layer, pair)
         self.calls = {n: [] for n in self.targets}
         hooks = [layer.get_submodule(n).register_forward_hook(self._recorder(n), with_kwargs=True)
@@ -247,21 +242,23 @@ class BlockError:
             linear_weight(self.layer.get_submodule(name)).copy_(w)
 
 
-def scale_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig, ignore, grid=None) -> dict:
+def scale_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig, ignore, grid_of=None) -> dict:
     """Search and fold one scale per smoothing pair; inputs: the sequences to search on.
 
     Every pair is searched on the layer's float weights (recorded before any folding), as the
     folds commute: a norm's scale multiplies v_proj's columns, o_proj's scale its rows.
-    grid: what the searches quantize with (cfg.scheme, or a GGUFSearchGrid of per-linear types).
+    grid_of: a linear's full name -> the grid the searches quantize it with (default cfg.scheme,
+    then a single grid).
     """
-    grid = cfg.scheme if grid is None else grid
+    grid_of = grid_of or (lambda name: cfg.scheme)
     pairs = [p for p in layer_pairs(layer, arch.smooth)
              if not any(is_ignored(f"{prefix}.{n}", ignore) for n in p.linears)]
-    errors = [BlockError(layer, p, inputs, device, grid, prefix) for p in pairs]
+    errors = [BlockError(layer, p, inputs, device, grid_of, prefix) for p in pairs]
     ratios = {}
     for pair, error in zip(pairs, errors):
         channels, index = pair_index(layer, pair)
         x_mean = to_prev(mean_rows(error.block_input().abs()).cpu(), index, channels)
+        grid = grid_of(f"{prefix}.{pair.linears[0]}")  # a pair's linears share its groups' width
         w_mean = to_prev(weight_magnitude([w.float().cpu() for w in error.original.values()], grid),
                          index, channels)
         scale, ratios[pair.prev] = search_scale(x_mean, w_mean, error, cfg)
@@ -270,14 +267,14 @@ def scale_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig
     return ratios
 
 
-def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig, ignore, grid=None) -> list[str]:
+def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig, ignore, grid_of=None) -> list[str]:
     """Clip each linear's groups, judged on (a stride of) all calibration tokens in `inputs`."""
-    grid = cfg.scheme if grid is None else grid
+    grid_of = grid_of or (lambda name: cfg.scheme)
     present = dict(layer.named_modules())  # a mixture's layer holds its experts or a dense MLP
     names = [n for n in arch.linears
              if n in present and n not in cfg.clip_skip and not is_ignored(f"{prefix}.{n}", ignore)]
     stride = 1 if cfg.clip_tokens is None else token_stride(inputs.hidden, cfg.clip_tokens)
-    grams = {n: GroupGram(grid) for n in names}
+    grams = {n: GroupGram(grid_of(f"{prefix}.{n}")) for n in names}
     took = WhileAlive()  # an input tensor -> the linear whose Gram took it
 
     def update(name, x2d):  # linears handed one tensor (gate/up; every expert's under all_experts): one Gram
@@ -294,25 +291,37 @@ def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig,
     names = [n for n in names if grams[n].tokens]  # a routed expert no token reached keeps its range
     for name in names:
         w = linear_weight(layer.get_submodule(name))  # a view: copying into it updates the module
-        if isinstance(grid, GGUFSearchGrid):
-            clipped = search_clip_gguf(w.float().cpu(), grams[name].result(), grid.quantizer(f"{prefix}.{name}"),
-                                       cfg.max_shrink, cfg.clip_grid)
-        else:
-            clipped = search_clip(w.float().cpu(), grams[name].result(), grid, cfg)
+        grid = grid_of(f"{prefix}.{name}")
+        clipped = CLIPS[grid.FAMILY](w.float().cpu(), grams[name].result(), grid, f"{prefix}.{name}", cfg)
         w.copy_(clipped.to(w.device, w.dtype))
     return names
+
+
+def _clip_int(w, gram, grid, name: str, cfg: AWQConfig) -> torch.Tensor:
+    return search_clip(w, gram, grid, cfg)
+
+
+def _clip_gguf(w, gram, grid, name: str, cfg: AWQConfig) -> torch.Tensor:
+    return search_clip_gguf(w, gram, partial(grid.fake_round, name=name), cfg.max_shrink, cfg.clip_grid)
+
+
+CLIPS = {"int": _clip_int, "gguf": _clip_gguf}  # a grid's FAMILY -> its clip search
 
 
 def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
     if not ctx.arch.smooth:
         raise ValueError("awq: the architecture table has no smoothing pairs for this model "
                          "(an unknown architecture?); add its row to calibrate/arch.py")
-    grid, ignore = _search_grid(ctx, cfg)
+    # each linear searched on the grid the weight step will give it; those the plan keeps 16-bit
+    # (rows no GGML block divides) are left out of the searches too
+    targets, grids = planned_targets(ctx.model, ctx.arch, ctx.ignore, cfg.scheme)
+    ignore = ctx.ignore + tuple(n for n in targets.ignored if n not in ctx.ignore)
 
     def on_layer(i, prefix, layer, inputs):
         sample = leading_sequences(inputs, cfg.max_tokens, count_before(_tokens(inputs)))
-        ratios = scale_layer(layer, ctx.arch, prefix, sample, ctx.device, cfg, ignore, grid)
-        clipped = clip_layer(layer, ctx.arch, prefix, inputs, ctx.device, cfg, ignore, grid) if cfg.clip else []
+        ratios = scale_layer(layer, ctx.arch, prefix, sample, ctx.device, cfg, ignore, grids.__getitem__)
+        clipped = (clip_layer(layer, ctx.arch, prefix, inputs, ctx.device, cfg, ignore, grids.__getitem__)
+                   if cfg.clip else [])
         return {"ratios": ratios, "clipped": clipped}
 
     per_layer = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="awq",
@@ -324,17 +333,6 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
 
 def _tokens(inputs: LayerInputs) -> int:
     return sum(h.shape[0] * h.shape[1] for h in inputs.hidden)
-
-
-def _search_grid(ctx: StepContext, cfg: AWQConfig):
-    """The grid the searches quantize with, and the ignore patterns (linears no GGML block fits,
-    which the weight step will leave 16-bit, are left out of the searches too)."""
-    if isinstance(cfg.scheme, GGUFTypes):
-        targets, schemes = planned_targets(ctx, cfg.scheme)
-        return GGUFSearchGrid(schemes), ctx.ignore + tuple(n for n in targets.ignored if n not in ctx.ignore)
-    for name, module in target_linears(ctx.model, ctx.arch).items():
-        check_group_size(cfg.scheme, linear_weight(module).shape[1], name)
-    return cfg.scheme, ctx.ignore
 
 
 SPEC = StepSpec("awq", AWQConfig, apply,

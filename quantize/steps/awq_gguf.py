@@ -1,32 +1,16 @@
-"""AWQ's searches on GGUF grids: the scale search fake-quantizes each linear with the GGML type
-it will be written in (llama.cpp's reference rounding, as gguf_rounding does), and the clip search
-clips each 32-weight block and lets that type's quantizer choose its block scales on the clipped
-weights, judged by the block's output error through its input second moments."""
+"""AWQ's clip search on GGUF grids (its scale search needs nothing of its own: it fake-quantizes each
+linear with the GGML type it will be written in, GGUFScheme.fake_round, as on any grid). Each
+32-weight block is clipped and that type's quantizer chooses its block scales on the clipped weights,
+judged by the block's output error through its input second moments."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
-from lowbit.quantize.grids.gguf import GGUFScheme, quantize_gguf
-
-BLOCK = 32  # the smallest GGML block (Q4_K's sub-blocks too): magnitudes and clips per 32 weights
-
-
-@dataclass(frozen=True)
-class GGUFSearchGrid:
-    """What AWQ's searches assume under a llama.cpp file type: each linear's own GGML type."""
-
-    types: dict  # full linear name -> GGUFScheme
-    group_size: int = BLOCK
-
-    def quantizer(self, name: str):
-        scheme: GGUFScheme = self.types[name]
-        return lambda w: quantize_gguf(w.float(), scheme, name).dequantize().to(w.dtype)
+from lowbit.quantize.grids.gguf import SEARCH_BLOCK
 
 
 def blocks(w: torch.Tensor) -> torch.Tensor:
-    return w.reshape(w.shape[0], -1, BLOCK)
+    return w.reshape(w.shape[0], -1, SEARCH_BLOCK)
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal, Union
 
 import torch
@@ -19,17 +19,15 @@ from lowbit.calibrate.arch import linear_weight
 from lowbit.calibrate.messages import short_repr
 from lowbit.quantize.grids.gguf_plan import GGUFTypes
 from lowbit.quantize.grids.int_plan import IntTypes
-from lowbit.quantize.grids.integer import IntScheme, check_group_size
+from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.linear import LinearScheme
-from lowbit.quantize.grids.quantized_weight import QuantizedWeight, quantize_rtn
 from lowbit.quantize.runtime.buffers import on_device
-from lowbit.quantize.runtime.qlinear import QuantLinear
-from lowbit.quantize.steps import gguf_rounding, int_planning
+from lowbit.quantize.runtime.modules import module_for
 from lowbit.quantize.steps.context import StepContext
-from lowbit.quantize.steps.gptq_solver import GPTQResult, HessianAccumulator, gptq_solve
+from lowbit.quantize.steps.gptq_solver import GPTQResult, HessianAccumulator, solve_onto
 from lowbit.quantize.steps.layerwise import damping_retries, linear_stats, walk_solving
 from lowbit.quantize.steps.spec import WALK, StepSpec
-from lowbit.quantize.targets import replace_module, select_targets
+from lowbit.quantize.targets import planned_targets, replace_module
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,7 @@ class GPTQConfig:
     scale_refits: int = 0
 
     def __post_init__(self):
-        if isinstance(self.scheme, IntScheme) and self.scheme.strategy == "tensor":
+        if not self.scheme.scales_per_row():
             raise ValueError("gptq solves per-channel or per-group scales; scheme strategy tensor is not "
                              "supported (use channel or group)")
         if self.batch_columns < 1 or self.micro_batch < 1:
@@ -74,75 +72,43 @@ class GPTQConfig:
 
 
 def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
-    """Quantize every targeted linear inside the decoder layers with GPTQ, layer by layer."""
-    if isinstance(cfg.scheme, GGUFTypes):
-        return _apply_gguf(ctx, cfg)
-    if isinstance(cfg.scheme, IntTypes):
-        return _apply_planned(ctx, cfg)
-    targets = select_targets(ctx.model, ctx.arch, ctx.ignore)
-    for name, module in targets.linears.items():
-        check_group_size(cfg.scheme, linear_weight(module).shape[1], name)
-    return _solve_all(ctx, cfg, targets, {name: cfg.scheme for name in targets.linears})
-
-
-def _apply_planned(ctx: StepContext, cfg: GPTQConfig) -> dict:
-    targets, schemes = int_planning.planned_targets(ctx, cfg.scheme)
-    return _solve_all(ctx, cfg, targets, schemes)
-
-
-def _solve_all(ctx: StepContext, cfg: GPTQConfig, targets, schemes: dict[str, IntScheme]) -> dict:
-    """GPTQ on every target in the decoder layers, each onto its own scheme; targets outside them
-    (lm_head) round to nearest."""
+    """Quantize every targeted linear inside the decoder layers with GPTQ, layer by layer, each onto
+    the grid the plan gives it; targets outside the layers (lm_head) round to nearest."""
+    targets, grids = planned_targets(ctx.model, ctx.arch, ctx.ignore, cfg.scheme)
     outside = {n: m for n, m in targets.linears.items() if not n.startswith(ctx.arch.layers + ".")}
 
-    def install(prefix, layer, members, parts, stats) -> dict:
-        solved = {}
-        for names, result in parts:
-            for name, qw in _install_shared(layer, names, result, stats).items():
-                old = layer.get_submodule(name)
-                device = qw.codes.device if old.weight.is_meta else old.weight.device  # meta: let go by the solve
-                solved[name] = QuantLinear.from_quantized(on_device(qw, device), old.bias)
-        return solved
-
     def solve(prefix, layer, members, hessian):
-        groups = list(int_planning.by_scheme(prefix, members, schemes).items())
+        groups = list(by_grid(prefix, members, grids).items())
         if len(groups) == 1:  # the usual case: the accumulator is handed over, freed once factored
-            (scheme, names), = groups
-            return [(names, _solve_shared(layer, names, hessian, replace(cfg, scheme=scheme)))]
-        H = hessian.take()  # one solve per format, rows stacked within each
-        return [(names, _solve_shared(layer, names, H if k == len(groups) - 1 else H.clone(), replace(cfg, scheme=scheme)))
-                for k, (scheme, names) in enumerate(groups)]
+            (grid, names), = groups
+            return [(names, _solve_shared(layer, names, hessian, grid, cfg))]
+        H = hessian.take()  # one solve per grid, rows stacked within each
+        return [(names, _solve_shared(layer, names, H if k == len(groups) - 1 else H.clone(), grid, cfg))
+                for k, (grid, names) in enumerate(groups)]
+
+    def install(prefix, layer, members, parts, stats) -> dict:
+        return {name: module for names, result in parts
+                for name, module in _install_shared(layer, names, result, stats).items()}
 
     quantized = list(targets.linears)
     layers, forward_dtype = walk_solving(ctx, cfg, targets, solve, install)
     for name, module in outside.items():  # lm_head etc. see no decoder-layer inputs: RTN
         warnings.warn(f"{name} is outside the decoder layers; quantized round-to-nearest, not GPTQ")
-        replace_module(ctx.model, name, QuantLinear.from_quantized(quantize_rtn(linear_weight(module), schemes[name]),
-                                                                   module.bias))
+        replace_module(ctx.model, name, module_for(grids[name].round(linear_weight(module), name), module.bias))
     return {"quantized": quantized, "ignored": targets.ignored,
-            "forward_dtype": forward_dtype, "round_to_nearest": list(outside),
+            "forward_dtype": forward_dtype, "round_to_nearest": list(outside), **cfg.scheme.record(grids),
             "damping_retries": damping_retries(layers), "layers": layers}
 
 
-def _apply_gguf(ctx: StepContext, cfg: GPTQConfig) -> dict:
-    targets, schemes = gguf_rounding.planned_targets(ctx, cfg.scheme)
-    outside = {n: m for n, m in targets.linears.items() if not n.startswith(ctx.arch.layers + ".")}
-
-    def solve(prefix, layer, members, hessian):
-        return gguf_rounding.solve_layer_group(layer, prefix, members, hessian.take(), cfg, schemes)
-
-    def install(prefix, layer, members, result, stats) -> dict:
-        return gguf_rounding.install_layer_group(layer, result, stats)
-
-    quantized = list(targets.linears)
-    layers, forward_dtype = walk_solving(ctx, cfg, targets, solve, install)
-    return {"quantized": quantized, "ignored": targets.ignored, "forward_dtype": forward_dtype,
-            "round_to_nearest": gguf_rounding.round_outside(ctx, outside, schemes),
-            "types": {n: s.type for n, s in schemes.items()},
-            "damping_retries": damping_retries(layers), "layers": layers}
+def by_grid(prefix: str, members: list[str], grids: dict) -> dict:
+    """A layer group's members (names relative to the layer at `prefix`) split by their grid."""
+    out: dict = {}
+    for name in members:
+        out.setdefault(grids[f"{prefix}.{name}"], []).append(name)
+    return out
 
 
-def _solve_shared(layer, members, hessian: HessianAccumulator, cfg: GPTQConfig) -> tuple[GPTQResult, float]:
+def _solve_shared(layer, members, hessian: HessianAccumulator, grid, cfg: GPTQConfig) -> tuple[GPTQResult, float]:
     """One GPTQ solve for linears sharing an input (rows stacked), which takes the Hessian's memory;
     and its seconds per linear."""
     modules = [layer.get_submodule(n) for n in members]
@@ -155,30 +121,28 @@ def _solve_shared(layer, members, hessian: HessianAccumulator, cfg: GPTQConfig) 
                 m.weight = nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
         return weights[0].float() if len(weights) == 1 else torch.cat([w.float() for w in weights])
 
-    result = gptq_solve(stacked, hessian, cfg)
+    result = solve_onto(grid, stacked, hessian, cfg)
     return result, (time.perf_counter() - start) / len(members)
 
 
-def _install_shared(layer, members, solved: tuple[GPTQResult, float], stats: dict) -> dict[str, QuantizedWeight]:
-    """The stacked solve split back per linear, each one's rounded values written into it."""
+def _install_shared(layer, members, solved: tuple[GPTQResult, float], stats: dict) -> dict[str, nn.Module]:
+    """The stacked solve split back per linear into runtime modules, each one's rounded values
+    written into its float weight (with true_sequential later groups see the quantized layer)."""
     result, seconds = solved
     out = {}
     row = 0
     for name in members:
-        w = linear_weight(layer.get_submodule(name))
+        old = layer.get_submodule(name)
+        w = linear_weight(old)
         rows = slice(row, row + w.shape[0])
         row += w.shape[0]
-        qw = _row_slice(result.weight, rows)
-        if not w.is_meta:  # with true_sequential later groups see the quantized layer
-            w.copy_(qw.dequantize())
-        out[name] = qw
+        part = result.weight.row_slice(rows)
+        if not w.is_meta:  # meta: let go by the solve, and the part stays where it was solved
+            w.copy_(part.dequantize())
+            part = on_device(part, w.device)
+        out[name] = module_for(part, old.bias)
         stats[name] = linear_stats(result.row_loss[rows], result.dampening_frac, result.retries, seconds)
     return out
-
-
-def _row_slice(qw: QuantizedWeight, rows: slice) -> QuantizedWeight:
-    zero = None if qw.zero is None else qw.zero[rows]
-    return QuantizedWeight(qw.codes[rows], qw.scale[rows], zero, qw.scheme, qw.g_idx)
 
 
 SPEC = StepSpec("gptq", GPTQConfig, apply, "GPTQ: error-compensating weight quantization, layer by layer",

@@ -12,7 +12,7 @@ import torch
 
 from lowbit.quantize.grids.fp8 import FP8Format, FP8Weight, WeightStrategy, element_scale, saturating_cast, weight_scale
 from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight, quantize_gguf
-from lowbit.quantize.grids.quantized_weight import QuantizedWeight
+from lowbit.quantize.grids.integer import QuantizedWeight
 from lowbit.quantize.steps.gguf_refit import REFITTABLE, refit_block_scales
 from lowbit.quantize.steps.gptq_grids import (FixedColumnGrid, FP8ColumnGrid, GGUFColumnGrid, LazyColumnGrid,
                                               LazyGGUFColumnGrid)
@@ -25,7 +25,7 @@ MAX_DAMPING_RETRIES = 4  # each retry multiplies the damping by 10
 
 @dataclass
 class GPTQResult:
-    weight: QuantizedWeight
+    weight: QuantizedWeight | GGUFWeight
     row_loss: torch.Tensor  # (out,) Σ_j (w - q)² / [H⁻¹]_jj / 2: mean squared output error per token
     dampening_frac: float  # the damping that worked
     retries: int  # Cholesky failures before it worked
@@ -90,6 +90,21 @@ class HessianAccumulator:
             square = H[start:end, start:end]
             square.copy_(square.triu() + square.triu(1).T)  # the product's lower half may differ in its last bits
         return H
+
+
+def solve_onto(grid, W: torch.Tensor | Callable[[], torch.Tensor], H: torch.Tensor | HessianAccumulator,
+               cfg: GPTQConfig) -> GPTQResult:
+    """GPTQ of W onto any per-linear grid, by its family's solver (cfg.scheme is not read)."""
+    return SOLVERS[grid.FAMILY](grid, W, H, cfg)
+
+
+def _solve_int(grid, W, H, cfg: GPTQConfig) -> GPTQResult:
+    return gptq_solve(W, H, replace(cfg, scheme=grid))
+
+
+def _solve_gguf(grid, W, H, cfg: GPTQConfig) -> GPTQResult:
+    H = H if isinstance(H, torch.Tensor) else H.take()  # the block-scale searches read H besides the sweep
+    return GPTQResult(*gptq_solve_gguf(W() if callable(W) else W, H, cfg, grid))
 
 
 def quantize_weight(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> QuantizedWeight:
@@ -339,3 +354,6 @@ def _solve_blocks(Wt: torch.Tensor, U: torch.Tensor, grid, block: int, codes: bo
         row_loss += Eb.square().sum(dim=0) / 2
         Wt[i2:].addmm_(U[i1:i2, i2:].t(), Eb, alpha=-1.0)
     return Qt.t(), row_loss
+
+
+SOLVERS = {"int": _solve_int, "gguf": _solve_gguf}  # a grid's FAMILY -> its GPTQ solver

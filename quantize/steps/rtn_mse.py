@@ -8,11 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.quantize.grids.integer import IntScheme, grouped, quantize_codes
+from lowbit.quantize.grids.integer import IntScheme, QuantizedWeight, grouped, quantize_codes
 from lowbit.quantize.grids.linear import LinearScheme
-from lowbit.quantize.grids.quantized_weight import QuantizedWeight
 from lowbit.quantize.grids.scale_search import search_scale_zero
-from lowbit.quantize.steps.rtn import quantize_each
+from lowbit.quantize.steps.rtn import round_each
 from lowbit.quantize.steps.spec import StepSpec
 
 
@@ -35,7 +34,7 @@ def quantize_mse(w: torch.Tensor, cfg: RTNMSEConfig) -> QuantizedWeight:
 
 
 def apply(ctx, cfg: RTNMSEConfig) -> dict:
-    return quantize_each(ctx, cfg.scheme, lambda w: quantize_mse(w, cfg), "rtn_mse")
+    return round_each(ctx, cfg.scheme, "rtn_mse", lambda w, name: quantize_mse(w, cfg))
 
 
 SPEC = StepSpec("rtn_mse", RTNMSEConfig, apply,

@@ -17,7 +17,7 @@ from lowbit.calibrate.distributed import all_max, all_sum, mean_of, sum_int
 from lowbit.calibrate.observers import ChannelAbsMax
 from lowbit.calibrate.walker import LayerInputs
 from lowbit.quantize.grids.inputs import InputQuant, per_token_scale
-from lowbit.quantize.grids.integer import IntScheme, compute_scale_zero, dequantize_codes, quantize_codes
+from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.steps.fold import follower_index, prev_channels, reduce_to_prev
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]  # float tensor -> fake-quantized float tensor
@@ -91,10 +91,7 @@ def to_prev(stat: torch.Tensor, index: torch.Tensor, channels: int) -> torch.Ten
 
 
 def weight_quantizer(scheme: IntScheme) -> Quantizer:
-    def quantize(w: torch.Tensor) -> torch.Tensor:
-        scale, zero = compute_scale_zero(w, scheme)
-        return dequantize_codes(quantize_codes(w, scale, zero, scheme), scale, zero, scheme)
-    return quantize
+    return scheme.fake_round
 
 
 def per_token_int8(x: torch.Tensor) -> torch.Tensor:

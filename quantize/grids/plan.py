@@ -1,0 +1,35 @@
+"""The grid protocol, and where a target sits when a plan picks its grid.
+
+A *grid* is one linear's number format (IntScheme, FP8Scheme, GGUFScheme). It says
+- `FAMILY`: its key in the registries (runtime module: quantize/runtime/modules.py; GPTQ solver:
+  quantize/steps/gptq_solver.py);
+- `takes_inputs(inputs)`: which input quantization it pairs with; `describe(inputs)`;
+- `round(w, name)`: round-to-nearest, a weight whose `FAMILY` builds its runtime module;
+and its runtime module answers the audit (`holds`, `audit`).
+
+A *plan* is what a recipe's `scheme:` names (one grid, a format per linear, a llama.cpp file type):
+- `assign(slots)`: each target's grid, or why it stays 16-bit, refusing a grid a target cannot take
+  before anything changes;
+- `record(grids)`: what the step's results say of the assignment;
+- `embedding_grid(cols, tied)`: the token embedding's grid in a GGUF file, if the plan has a rule;
+- `scales_per_row()`: whether every row has scales of its own (what GPTQ and AWQ need).
+A single grid is a plan that gives itself to every target. Steps ask these; they never branch on a
+grid's class (tests/test_grid_seam.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A target linear as a plan sees it."""
+
+    name: str  # full module name, e.g. model.layers.3.mlp.experts.5.down_proj
+    cols: int  # in_features: the rows a grid cuts into groups or blocks
+    layer: Optional[int]  # its decoder layer's index; None outside the decoder layers (lm_head)
+    layers: int  # decoder layers in the model
+
+
+Assignment = tuple[dict, dict]  # (name -> grid, name -> why it stays 16-bit)
