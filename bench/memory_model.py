@@ -45,7 +45,7 @@ def kv_predictions(context: int, kv_bytes: float) -> list[dict]:
 
 def measured(model_name: str, batch: int, context: int, decode_tokens: int) -> dict:
     from lowbit.evaluate.config import MemoryConfig
-    from lowbit.evaluate.evaluation import load_target
+    from lowbit.evaluate.loading import load_target
     from lowbit.evaluate.peak_probe import Loadable
     from lowbit.evaluate.suite import measured_prefill_peak
 

@@ -59,7 +59,7 @@ def _observe(observer: ChannelAbsMax):
     return hook
 
 
-class _AbsmaxRecordingLayer(DynamicLayer):
+class AbsmaxRecordingLayer(DynamicLayer):
     """A cache layer that stores nothing: it records per-head |K| and |V| maxima of what attention
     would cache (keys after RoPE) and hands the states straight back."""
 
@@ -85,7 +85,7 @@ def cached_kv_absmax(model: nn.Module, batches: torch.Tensor, micro_batch: int =
     chunks = _micro_batches(batches, micro_batch)
     progress = Progress("observe kv cache", len(chunks), "batches")
     for chunk in chunks:
-        cache = Cache(layers=[_AbsmaxRecordingLayer(stats, i) for i in range(n_layers)])
+        cache = Cache(layers=[AbsmaxRecordingLayer(stats, i) for i in range(n_layers)])
         cached_forward(model, chunk.to(device), cache)
         progress.step()
     stacked = stack_kv_stats(stats, n_layers, model)
@@ -93,7 +93,7 @@ def cached_kv_absmax(model: nn.Module, batches: torch.Tensor, micro_batch: int =
 
 
 def stack_kv_stats(stats: dict, n_layers: int, model: nn.Module) -> dict[str, torch.Tensor]:
-    """The per-layer maxima _AbsmaxRecordingLayer gathered, as (layers, kv_heads) tensors; a layer
+    """The per-layer maxima AbsmaxRecordingLayer gathered, as (layers, kv_heads) tensors; a layer
     that never wrote to the cache is an error naming it."""
     missing = [i for i in range(n_layers) if i not in stats["k_absmax"]]
     if missing:

@@ -14,7 +14,7 @@ from transformers.cache_utils import Cache
 from .arch import Arch, decoder_layers
 from .cached_forward import cache_keyword
 from .offload import Offload
-from .observers import ChannelAbsMax, _AbsmaxRecordingLayer, stack_kv_stats
+from .observers import AbsmaxRecordingLayer, ChannelAbsMax, stack_kv_stats
 from .walker import LayerSource, forward_context, record_linear_inputs, to_device, walk
 
 
@@ -47,7 +47,7 @@ def walked_kv_absmax(model: nn.Module, arch: Arch, batches: torch.Tensor, source
         key = cache_keyword(layer)  # a layer that ignores it is caught: stack_kv_stats names it
         with forward_context(inputs, device):
             for hidden, kwargs in zip(inputs.hidden, inputs.kwargs):
-                cache = Cache(layers=[_AbsmaxRecordingLayer(stats, j) for j in range(n_layers)])
+                cache = Cache(layers=[AbsmaxRecordingLayer(stats, j) for j in range(n_layers)])
                 layer(to_device(hidden, device), **{**to_device(kwargs, device), key: cache, "use_cache": True})
 
     walk(model, arch, batches, on_layer, device=device, label="observe kv cache", micro_batch=micro_batch,

@@ -15,12 +15,10 @@ from pathlib import Path
 from typing import Optional
 
 from lowbit.calibrate.hardware import cpu_info
-from lowbit.calibrate.models import load_model
-from lowbit.export import checkpoint
 
 from .baseline import cached_baseline
 from .config import EvaluateConfig
-from .memory import checkpoint_weight_bytes, model_weight_bytes
+from .loading import load_target
 from .peak_probe import Loadable
 from .placement import place, resolve_placement
 from .perplexity import perplexity
@@ -66,16 +64,6 @@ def evaluate(target: str | Path, cfg: EvaluateConfig, reference: Optional[Refere
         hardware=cpu_info().to_dict(),
         recipe={"name": f"eval {Path(target).name or target}", "evaluate": plain(cfg)},
         quality=quality, memory=Memory(weight_bytes=weight_bytes, **memory), speed=speed, baselines=baselines)
-
-
-def load_target(target: str | Path, trust_remote_code: bool, allow_pickle: bool):
-    """(model, tokenizer, weight bytes): a checkpoint's bytes as its files hold them; a plain
-    model's as a 16-bit checkpoint."""
-    if checkpoint.is_checkpoint(Path(target)):
-        model, tokenizer = checkpoint.load(target, trust_remote_code=trust_remote_code)
-        return model, tokenizer, checkpoint_weight_bytes(target)
-    model, tokenizer, _ = load_model(str(target), trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
-    return model, tokenizer, model_weight_bytes(model, bytes_per_param=2)
 
 
 def baseline_perplexity(reference: Reference, tokenizer, cfg: EvaluateConfig) -> Optional[float]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .loading import load_target
 from .memory import measure_peak, proc_status_bytes
 from .placement import DTYPES
 
@@ -81,7 +82,6 @@ def probe(source: Loadable, batch: int, context: int, decode_tokens: int, repeat
     import transformers.models.auto.modeling_auto  # noqa: F401
     import transformers.tokenization_utils_tokenizers  # noqa: F401
 
-    from .evaluation import load_target
     from .memory import ModelShape, resident_tensor_bytes
 
     gc.collect()

@@ -24,6 +24,8 @@ from lowbit.calibrate.hardware import resolve_device
 from lowbit.calibrate.models import load_model
 from lowbit.quantize.steps.context import StepContext
 
+from .stepping import apply_step, rank_samples, timer
+
 PEER_EXIT = 3  # a rank's exit code when a collective failed under it: another rank is the cause
 
 
@@ -108,14 +110,12 @@ def report_crash(err: BaseException) -> None:
 def calibrate_only(recipe) -> dict:
     """What a rank other than 0 runs: load, then each step with rank 0 (run.quantize_and_export's
     collectives, in its order), unless rank 0 says the checkpoint is already exported."""
-    from .run import _batches, apply_step, timer  # run imports this module lazily
-
     if not broadcast_json(None, 0):  # rank 0: False when resuming an exported checkpoint
         return {}
     model, tokenizer, _ = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
                                      allow_pickle=recipe.allow_pickle)
     timed = timer({})
-    ctx = StepContext(model, arch_for(model), recipe.ignore, lambda: _batches(recipe, tokenizer, timed),
+    ctx = StepContext(model, arch_for(model), recipe.ignore, lambda: rank_samples(recipe, tokenizer, timed),
                       device=resolve_device(recipe.calibration.device))
     for step in recipe.steps:
         apply_step(recipe, ctx, step)

@@ -6,17 +6,15 @@ import gc
 import json
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import torch
 import yaml
 
-from lowbit.calibrate.experts import active_params, calibrating
+from lowbit.calibrate.experts import active_params
 from lowbit.calibrate.arch import arch_for
-from lowbit.calibrate.data import calibration_batches
-from lowbit.calibrate.distributed import SHARE_UNIT, broadcast_json, sample_share, world
+from lowbit.calibrate.distributed import broadcast_json, world
 from lowbit.calibrate.hardware import cpu_info, resolve_device
 from lowbit.calibrate.offload import resolve_offload
 from lowbit.calibrate.models import load_model, local_model_folder
@@ -38,7 +36,6 @@ from lowbit.export.manifest import write_text_atomic
 from lowbit.export.model_card import write_model_card
 from lowbit.recipes.gguf_defaults import export_config
 from lowbit.quantize.steps.context import StepContext
-from lowbit.quantize.steps.registry import STEPS
 from lowbit.quantize.audit import damping_notes, fallback_notes
 
 from .audit import audit_run, expected_schemes
@@ -47,21 +44,10 @@ from .preflight import preflight, preflight_settings
 from .fit_recipe import resolve_fit
 from .resume import RunProgress
 from .schema import Recipe
+from .stepping import apply_step, rank_samples, timer
 from .streamed import PortionAudit, apply_steps_streamed, load_skeleton, streaming_folder
 
 TIMINGS = ("load_s", "calibrate_s", "quantize_s", "export_s", "evaluate_s")
-
-
-def timer(seconds: dict):
-    """`with timed(key):` adds the block's wall time to seconds[key] (blocks may repeat)."""
-    @contextmanager
-    def timed(key: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
-    return timed
 
 
 def run(recipe: Recipe, output: str | Path, resume: bool = False, overwrite: bool = False) -> dict:
@@ -144,7 +130,7 @@ def step_context(recipe: Recipe, model, arch, tokenizer, timed, progress: RunPro
     cal = recipe.calibration
     activation_bytes = cal.samples * cal.seq_len * model.config.get_text_config().hidden_size * 4
     offload = resolve_offload(cal.offload, device, activation_bytes, progress.folder / "activations")
-    return StepContext(model, arch, recipe.ignore, lambda: _batches(recipe, tokenizer, timed), device=device,
+    return StepContext(model, arch, recipe.ignore, lambda: rank_samples(recipe, tokenizer, timed), device=device,
                        offload=offload)
 
 
@@ -203,12 +189,6 @@ def baseline_now(recipe: Recipe, model) -> bool:
     return cfg.baseline and placement_of(model) == resolve_placement(cfg.device, cfg.dtype).describe()
 
 
-def apply_step(recipe: Recipe, ctx: StepContext, step) -> dict:
-    """One step of the recipe, its experts calibrated as the recipe says (every rank alike)."""
-    with calibrating(recipe.calibration.experts()):
-        return STEPS[step.name].apply(ctx, step.config)
-
-
 def evaluate_checkpoint(recipe: Recipe, folder: Path, exported: dict) -> Results:
     """The checkpoint as written (reloaded), against the recipe's model (loaded only if needed)."""
     print(f"[lowbit] evaluating the checkpoint written in {folder}", file=sys.stderr)
@@ -236,15 +216,3 @@ def write_results(folder: Path, results: dict, recipe: Recipe, name: str) -> Non
     write_text_atomic(folder / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     write_report([results], folder / "report.html", labels=[recipe.name])
     write_model_card(folder, results, name)  # README.md from the results; refreshes manifest.json last
-
-
-def _batches(recipe: Recipe, tokenizer, timed) -> torch.Tensor:
-    with timed("calibrate_s"):
-        print(f"[lowbit] calibration data: {recipe.calibration.samples} samples × "
-              f"{recipe.calibration.seq_len} tokens of {recipe.calibration.dataset!r}", file=sys.stderr)
-        batches = calibration_batches(recipe.calibration, tokenizer)
-        share = sample_share(len(batches), SHARE_UNIT)  # all of them in one process
-        if world().size > 1:
-            print(f"[lowbit] {world().describe()} calibrates on samples {share.start}-{share.stop - 1}",
-                  file=sys.stderr)
-        return batches[share]

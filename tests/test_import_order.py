@@ -30,11 +30,17 @@ def layer(module: str) -> int:
     return max(i for i, prefix in enumerate(LAYERS) if module == prefix or module.startswith(prefix + "."))
 
 
-def imports(path: Path, me: str) -> list[str]:
-    """Every lowbit module the file of module `me` imports, relative imports resolved."""
+def imports(path: Path, me: str, at_run_time: bool = False) -> list[str]:
+    """Every lowbit module the file of module `me` imports, relative imports resolved; at_run_time:
+    leaving out those under `if TYPE_CHECKING:` (never run)."""
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {id(n) for block in ast.walk(tree) if at_run_time and _type_checking(block)
+                   for n in ast.walk(block)}
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -43,6 +49,13 @@ def imports(path: Path, me: str) -> list[str]:
             # `from pkg import name` may name a submodule: check both readings
             found += [target] + [f"{target}.{a.name}" for a in node.names]
     return [m for m in found if m.startswith("lowbit.") and _exists(m)]
+
+
+def _type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` or `if typing.TYPE_CHECKING:`"""
+    test = node.test if isinstance(node, ast.If) else None
+    name = test.id if isinstance(test, ast.Name) else test.attr if isinstance(test, ast.Attribute) else None
+    return name == "TYPE_CHECKING"
 
 
 def _exists(module: str) -> bool:

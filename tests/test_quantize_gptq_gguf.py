@@ -8,6 +8,7 @@ from gguf import quants
 
 from lowbit.quantize.grids.gguf import GGUFScheme, quantize_gguf, round_to_grid
 from lowbit.quantize.grids.gguf_packing import pack
+from lowbit.quantize.grids.gguf_weighted import quantize_weighted
 from lowbit.quantize.steps.gptq import GPTQConfig
 from lowbit.quantize.steps.gptq_solver import HessianAccumulator, gptq_solve_gguf
 
@@ -68,7 +69,7 @@ def test_identity_hessian_weighted_search_block_by_block_matches_the_whole_weigh
     _, W, _ = _correlated(rows=16)
     H = torch.eye(W.shape[1])
     weight, _, _, _ = gptq_solve_gguf(W, H, GPTQConfig(actorder="none", scale_search="mse"), scheme)
-    whole = quantize_gguf(W, scheme, importance=H.diagonal())
+    whole = quantize_weighted(W, scheme, H.diagonal())
     assert float((weight.d == whole.d).float().mean()) >= 0.9
     assert float((weight.levels == whole.levels).float().mean()) >= 0.98
 

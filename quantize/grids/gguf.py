@@ -178,16 +178,11 @@ def _spread(t: torch.Tensor, sub: int) -> torch.Tensor:
     return t.repeat_interleave(sub, dim=-1)
 
 
-def quantize_gguf(W: torch.Tensor, scheme: GGUFScheme, name: str = "weight",
-                  importance: Optional[torch.Tensor] = None) -> GGUFWeight:
+def quantize_gguf(W: torch.Tensor, scheme: GGUFScheme, name: str = "weight") -> GGUFWeight:
     """Round to nearest the way llama.cpp's reference quantizer (no importance matrix) does:
     Q8_0, Q4_0, Q4_1 and Q5_0 byte for byte as `gguf.quants.quantize`; the K-quants by llama.cpp's
-    scale searches (gguf_kquants.py). With importance (cols,): block scales searched for the
-    importance-weighted error instead (gguf_weighted.py)."""
+    scale searches (gguf_kquants.py). With an importance per column: gguf_weighted.quantize_weighted."""
     scheme.check_weight(W, name)
-    if importance is not None:
-        from lowbit.quantize.grids.gguf_weighted import quantize_weighted
-        return quantize_weighted(W, scheme, importance)
     rows = W.shape[0]
     blocks = W.detach().float().reshape(-1, scheme.block_size)
     fields = _REFERENCE[scheme.type](blocks)

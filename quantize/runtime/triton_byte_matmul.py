@@ -2,10 +2,13 @@
 batch 1, where tl.dot's 16-row minimum would waste the tile) and a tl.dot kernel for more. Importing this module imports
 triton, which decides once, from TRITON_INTERPRET, whether kernels compile for the GPU or run
 in its interpreter on the CPU."""
+import os
+
 import triton
 import triton.language as tl
 
-from lowbit.quantize.runtime.triton_kernels import interpreting
+# what triton itself read on import: kernels run in its interpreter on the CPU, one config to try
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 # (rows of W per program, columns per step, warps, pipeline stages): few enough that a fresh
 # machine tunes the four Llama-3-8B shapes in seconds
@@ -29,7 +32,7 @@ def _within_a_group(configs, named_args, **kwargs) -> list:
 
 def _configs(gpu_configs) -> list:
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-            for n, k, w, s in (INTERPRETER_CONFIGS if interpreting() else gpu_configs)]
+            for n, k, w, s in (INTERPRETER_CONFIGS if INTERPRETING else gpu_configs)]
 
 
 @triton.autotune(_configs(GEMV_CONFIGS), key=["N", "K"])

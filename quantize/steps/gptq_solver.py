@@ -12,6 +12,7 @@ import torch
 
 from lowbit.quantize.grids.fp8 import FP8Format, FP8Weight, WeightStrategy, element_scale, saturating_cast, weight_scale
 from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight, quantize_gguf
+from lowbit.quantize.grids.gguf_weighted import quantize_weighted
 from lowbit.quantize.grids.integer import QuantizedWeight
 from lowbit.quantize.steps.gguf_refit import REFITTABLE, refit_block_scales
 from lowbit.quantize.steps.gptq_grids import (FixedColumnGrid, FP8ColumnGrid, GGUFColumnGrid, LazyColumnGrid,
@@ -233,7 +234,8 @@ def _gptq_solve_gguf(W, H, cfg: GPTQConfig, scheme: GGUFScheme):
         return _gptq_solve_gguf_lazy(W, H, cfg, scheme)
     # mse: block scales searched for the error weighted by H's diagonal (llama.cpp's imatrix);
     # minmax: llama.cpp's own reference scales
-    fixed = quantize_gguf(W, scheme, importance=H.diagonal() if cfg.scale_search == "mse" else None)
+    scheme.check_weight(W)
+    fixed = quantize_weighted(W, scheme, H.diagonal()) if cfg.scale_search == "mse" else quantize_gguf(W, scheme)
     S, M = fixed.sub_scale_offset()
     sub = scheme.layout.sub
     S, M = S.repeat_interleave(sub, dim=1), None if M is None else M.repeat_interleave(sub, dim=1)
