@@ -91,7 +91,10 @@ class IntScheme:
 
 @dataclass
 class QuantizedWeight:
+    """A weight on an integer grid: codes plus the scales and zero points that give them meaning."""
+
     FAMILY = "int"  # its format's key in the registries (runtime module, GPTQ solver)
+
     codes: torch.Tensor  # (out, in) int8 in [-2^(bits-1), 2^(bits-1))
     scale: torch.Tensor  # (out, G) float32, or (1, 1) per-tensor
     zero: Optional[torch.Tensor]  # (out, G) like scale, integer-valued, signed; None when symmetric

@@ -2,9 +2,11 @@
 
 A *grid* is one linear's number format (IntScheme, FP8Scheme, GGUFScheme). It says
 - `FAMILY`: its key in the registries (runtime module: quantize/runtime/modules.py; GPTQ solver:
-  quantize/steps/gptq_solver.py);
+  quantize/steps/gptq_solver.py; AWQ clip search: quantize/steps/awq.py);
 - `takes_inputs(inputs)`: which input quantization it pairs with; `describe(inputs)`;
 - `round(w, name)`: round-to-nearest, a weight whose `FAMILY` builds its runtime module;
+- `search_groups(w)` and `fake_round(w, name)`: the slices a search judges together, and the
+  rounded-and-back weight it judges;
 and its runtime module answers the audit (`holds`, `audit`).
 
 A *plan* is what a recipe's `scheme:` names (one grid, a format per linear, a llama.cpp file type):
