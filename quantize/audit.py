@@ -3,7 +3,7 @@
 A pure check over a model and what it should hold (`LinearScheme` per targeted linear, the KV
 config): it reads modules and tensors and changes nothing. Problems name the module and what is
 wrong; linears left float are listed with the reason, so none is skipped silently. Which
-linears a recipe targets and with what scheme is the caller's knowledge (recipes/audit.py).
+linears a recipe targets and with what scheme is the caller's knowledge (app/audit.py).
 """
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lowbit.calibrate.arch import Arch, arch_for, is_linear, target_linears
+from lowbit.calibrate.arch import Arch, arch_for, is_linear
 from lowbit.quantize.audit_matrices import MatrixCount, count_matrices
 from lowbit.quantize.grids.kv import KVCacheConfig
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.runtime.checks import scale_problems
 from lowbit.quantize.runtime.kv_cache import SCALE_NAMES, attention_modules
 from lowbit.quantize.runtime.modules import is_quantized_linear
-from lowbit.quantize.targets import is_ignored
 
 MAX_LISTED = 10  # problems quoted in the error message; the report keeps all of them
 
@@ -166,23 +165,6 @@ def check_kv(model: nn.Module, kv: Optional[KVCacheConfig], arch: Optional[Arch]
                 problems.append(f"{label}: {value.numel()} values, strategy {kv.strategy} needs {size}")
             problems += scale_problems(label, value)
     return described, problems
-
-
-def planned_targets(model: nn.Module, arch: Arch, ignore: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
-    """Which linears a recipe's weight steps target (whatever they are now), and which it ignores
-    with the reason: select_targets' choice, readable after quantization has replaced them."""
-    found = list(target_linears(model, arch))
-    head = getattr(model, "lm_head", None)
-    if head is not None and (is_linear(head) or is_quantized_linear(head)):
-        found.append("lm_head")
-    targeted, ignored = [], {}
-    for name in found:
-        pattern = next((p for p in ignore if is_ignored(name, (p,))), None)
-        if pattern is None:
-            targeted.append(name)
-        else:
-            ignored[name] = f"matches the recipe's ignore pattern {pattern!r}"
-    return targeted, ignored
 
 
 def fallback_notes(steps: list[dict]) -> list[str]:

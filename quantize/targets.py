@@ -6,6 +6,7 @@ from torch import nn
 
 from lowbit.calibrate.arch import Arch, decoder_layers, is_linear, linear_weight, matches_name, target_linears
 from lowbit.quantize.grids.plan import Slot
+from lowbit.quantize.runtime.modules import is_quantized_linear
 
 
 is_ignored = matches_name  # the recipe's ignore list: exact names, trailing paths, re:REGEX
@@ -17,19 +18,34 @@ class Targets:
     ignored: dict[str, str] = field(default_factory=dict)  # full name -> why it stays float
 
 
-def select_targets(model: nn.Module, arch: Arch, ignore: tuple[str, ...]) -> Targets:
+def listed_targets(model: nn.Module, arch: Arch, ignore: tuple[str, ...]) -> tuple[dict[str, nn.Module], dict]:
+    """Every module a recipe's weight steps target (the arch table's decoder-layer linears, and
+    lm_head), whatever it holds now: a float linear, or the runtime module that replaced it; and
+    those the ignore list keeps float, with the pattern that matched."""
     found = target_linears(model, arch)
     head = getattr(model, "lm_head", None)
-    if head is not None and is_linear(head):
+    if head is not None and (is_linear(head) or is_quantized_linear(head)):
         found["lm_head"] = head
-    targets = Targets({})
+    listed, ignored = {}, {}
     for name, module in found.items():
-        if is_ignored(name, ignore):
-            targets.ignored[name] = "matches the recipe's ignore list"
-        elif not is_linear(module):
-            targets.ignored[name] = f"already {type(module).__name__}, not a float linear"
+        pattern = next((p for p in ignore if is_ignored(name, (p,))), None)
+        if pattern is None:
+            listed[name] = module
         else:
+            ignored[name] = f"matches the recipe's ignore pattern {pattern!r}"
+    return listed, ignored
+
+
+def select_targets(model: nn.Module, arch: Arch, ignore: tuple[str, ...]) -> Targets:
+    """The float linears a weight step quantizes now; those already quantized (by an earlier step)
+    join the ignored ones."""
+    listed, ignored = listed_targets(model, arch, ignore)
+    targets = Targets({}, ignored)
+    for name, module in listed.items():
+        if is_linear(module):
             targets.linears[name] = module
+        else:
+            targets.ignored[name] = f"already {type(module).__name__}, not a float linear"
     return targets
 
 

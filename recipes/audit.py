@@ -21,10 +21,10 @@ from lowbit.export import checkpoint, kv_scales
 from lowbit.export.manifest import MANIFEST
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.steps.registry import STEPS
-from lowbit.quantize.audit import AuditReport, audit_model, damping_notes, fallback_notes, planned_targets
+from lowbit.quantize.audit import AuditReport, audit_model, damping_notes, fallback_notes
 from lowbit.quantize.runtime.modules import is_quantized_linear
 from lowbit.quantize.grids.kv import KVCacheConfig
-from lowbit.quantize.targets import slots
+from lowbit.quantize.targets import listed_targets, slots
 
 from .checkpoint_files import RECIPE_FILE, config_disagreements, file_integrity, read_config
 from .schema import Recipe, parse_recipe
@@ -36,9 +36,10 @@ def expected_schemes(recipe: Recipe, model: nn.Module, arch: Arch):
     """(name -> LinearScheme, ignored name -> reason, KV config or None) that the recipe's steps
     should leave, as each step's spec says: the first step that writes weights quantizes every
     targeted linear (later ones find them already quantized, as select_targets skips them), a step
-    that adds inputs adds them to the integer ones, a KV step sets the KV format; steps that only
+    that adds inputs adds them to the linears whose grid takes them, a KV step sets the KV format; steps that only
     fold scales (awq, smoothquant) say nothing."""
-    targeted, ignored = planned_targets(model, arch, recipe.ignore)
+    listed, ignored = listed_targets(model, arch, recipe.ignore)
+    targeted = list(listed)
     expected: dict[str, LinearScheme] = {}
     kv: Optional[KVCacheConfig] = None
     for step in recipe.steps:

@@ -114,7 +114,7 @@ def test_recipe_grid_is_chosen_by_its_keys():
 
 
 def test_awq_clip_on_a_gguf_grid_cuts_an_outlier_that_costs_output_error():
-    from lowbit.quantize.steps.awq_gguf import search_clip_gguf
+    from lowbit.quantize.steps.awq_rounded_clip import search_clip_rounded
 
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(8, 64, generator=gen) * 0.02
@@ -122,12 +122,12 @@ def test_awq_clip_on_a_gguf_grid_cuts_an_outlier_that_costs_output_error():
     x = torch.randn(4096, 64, generator=gen)
     x[:, 3] *= 0.01  # ... on an input that barely moves the output
     gram = torch.einsum("ngk,ngl->gkl", x.reshape(-1, 2, 32), x.reshape(-1, 2, 32)) / x.shape[0]
-    quantize = GGUFScheme("q4_0").fake_round
+    grid = GGUFScheme("q4_0")
 
     def output_error(v):
-        return float((x @ (quantize(v) - w).t()).square().mean())
+        return float((x @ (grid.fake_round(v) - w).t()).square().mean())
 
-    clipped = search_clip_gguf(w, gram, quantize, max_shrink=0.5, clip_grid=20)
+    clipped = search_clip_rounded(w, gram, grid, "weight", max_shrink=0.5, clip_grid=20)
     assert output_error(clipped) < 0.5 * output_error(w)
 
 

@@ -7,7 +7,7 @@ Weights are (out, in); a weight scale is (1, 1) per tensor, (out, 1) per channel
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 
@@ -25,6 +25,8 @@ FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 @dataclass(frozen=True)
 class FP8Scheme:
     """How a weight maps onto an FP8 grid: the format and what one scale covers."""
+
+    FAMILY = "fp8"  # the key of this format in the registries (runtime module, GPTQ solver, AWQ clip)
 
     format: FP8Format = "e4m3"  # e4m3 for weights and activations; e5m2 trades precision for range
     strategy: WeightStrategy = "channel"  # tensor | channel | block
@@ -49,12 +51,33 @@ class FP8Scheme:
     def scales_per_row(self) -> bool:
         return self.strategy != "tensor"
 
-    def takes_inputs(self, inputs) -> bool:
-        """FP8 weights pair with an activation mode: dynamic, static or none."""
-        return inputs in ("dynamic", "static", "none")
+    def stacks_rows(self) -> bool:
+        """Whether linears sharing an input may be solved as one matrix of stacked rows: only when no
+        scale spans two of them (a tensor's scale, a block across their boundary would)."""
+        return self.strategy == "channel"
 
-    def describe(self, activations: ActivationMode = "none") -> str:
-        return f"fp8 {self.format} {self.strategy}, activations {activations}"
+    def round(self, w: torch.Tensor, name: str = "weight") -> "FP8Weight":
+        return quantize_weight_fp8(w, self.strategy, self.format, self.block_size)
+
+    def search_groups(self, w: torch.Tensor) -> torch.Tensor:
+        """w (rows, in) as (rows, 1, in): one scale covers a whole row (channel) or more."""
+        if self.strategy == "block":
+            raise ValueError("a search over FP8 weights needs strategy channel or tensor; block scales span rows")
+        return w.reshape(w.shape[0], 1, w.shape[1])
+
+    def fake_round(self, w: torch.Tensor, name: str = "weight") -> torch.Tensor:
+        """w rounded to nearest on its absmax scales and back, float32: what a search judges."""
+        return self.round(w.float(), name).dequantize()
+
+    def sweep_view(self, w: torch.Tensor) -> "FP8SweepView":
+        return FP8SweepView(self, w)
+
+    def takes_inputs(self, inputs) -> bool:
+        """FP8 weights pair with an FP8 activation mode (dynamic, static) or 16-bit inputs (None)."""
+        return inputs in (None, "dynamic", "static")
+
+    def describe(self, activations: Optional[ActivationMode] = None) -> str:
+        return f"fp8 {self.format} {self.strategy}, activations {activations or 'none'}"
 
 
 def fp8_dtype(fmt: FP8Format) -> torch.dtype:
@@ -114,6 +137,8 @@ def weight_scale(w: torch.Tensor, strategy: WeightStrategy, fmt: FP8Format, bloc
 
 @dataclass
 class FP8Weight:
+    FAMILY = "fp8"  # its format's key in the registries (runtime module, GPTQ solver)
+
     data: torch.Tensor  # (out, in) float8
     scale: torch.Tensor  # float32: (1, 1), (out, 1) or (out / block, in / block) rounded up
     fmt: FP8Format
@@ -122,6 +147,14 @@ class FP8Weight:
 
     def dequantize(self) -> torch.Tensor:
         return self.data.float() * element_scale(self.scale, self.data.shape, self.strategy, self.block_size)
+
+    def row_slice(self, rows: slice) -> "FP8Weight":
+        """The rows of one linear out of a stacked solve (channel scales; a tensor or block scale
+        is only ever sliced whole, see FP8Scheme.stacks_rows)."""
+        scale = self.scale[rows] if self.strategy == "channel" else self.scale
+        if self.strategy != "channel" and (rows.start or 0, rows.stop) != (0, self.data.shape[0]):
+            raise ValueError(f"FP8 {self.strategy} scales cannot be split between linears")
+        return FP8Weight(self.data[rows], scale, self.fmt, self.strategy, self.block_size)
 
 
 def element_scale(scale: torch.Tensor, shape: torch.Size, strategy: WeightStrategy, block: int) -> torch.Tensor:
@@ -134,6 +167,24 @@ def quantize_weight_fp8(w: torch.Tensor, strategy: WeightStrategy = "channel", f
     scale = weight_scale(w, strategy, fmt, block)
     data = saturating_cast(w.float() / element_scale(scale, w.shape, strategy, block), fmt)
     return FP8Weight(data, scale, fmt, strategy, block)
+
+
+class FP8SweepView:
+    """What GPTQ sweeps onto: scales fixed from the weight's ranges before the sweep, each updated
+    column snapped to the grid under its scales, the swept values turned into the weight."""
+
+    def __init__(self, scheme: FP8Scheme, w: torch.Tensor):
+        self.scheme = scheme
+        self.scale = weight_scale(w, scheme.strategy, scheme.format, scheme.block_size)
+        # (rows, cols); a view with stride 0 along columns unless block
+        self.per_element = element_scale(self.scale, w.shape, scheme.strategy, scheme.block_size).expand(w.shape)
+
+    def snap(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return saturating_cast(w / scale, self.scheme.format).float() * scale
+
+    def weight(self, swept: torch.Tensor) -> FP8Weight:
+        data = saturating_cast(swept / self.per_element, self.scheme.format)  # exact: the values lie on the grid
+        return FP8Weight(data, self.scale, self.scheme.format, self.scheme.strategy, self.scheme.block_size)
 
 
 def dynamic_token_scale(x: torch.Tensor, fmt: FP8Format) -> torch.Tensor:

@@ -79,6 +79,9 @@ class GGUFScheme:
     def describe(self, inputs=None) -> str:
         return f"gguf {self.type}"
 
+    def stacks_rows(self) -> bool:
+        return True  # every scale lies within one row: linears sharing an input may be solved stacked
+
     def round(self, w: torch.Tensor, name: str = "weight") -> "GGUFWeight":
         return quantize_gguf(w, self, name)
 

@@ -71,6 +71,9 @@ class IntScheme:
     def record(self, grids: dict) -> dict:
         return {}
 
+    def stacks_rows(self) -> bool:
+        return True  # every scale lies within one row: linears sharing an input may be solved stacked
+
     def round(self, w: torch.Tensor, name: str = "weight") -> "QuantizedWeight":
         return quantize_rtn(w, self)
 

@@ -16,19 +16,23 @@ from lowbit.quantize.grids.inputs import InputQuant
 from lowbit.quantize.grids.int_plan import IntTypes
 from lowbit.quantize.grids.integer import IntScheme
 
-# GGUFTypes and IntTypes are a step's plan (a llama.cpp file type, a format per linear); each
-# linear then holds one GGUFScheme or IntScheme
-WeightGrid = Union[IntScheme, FP8Scheme, GGUFScheme, GGUFTypes, IntTypes]
+# What a weight step's `scheme:` may name: a grid, or a plan of grids (a llama.cpp file type, a format
+# per linear). A recipe's keys pick the first class whose fields hold them all: order matters.
+PLANS = (IntScheme, FP8Scheme, GGUFTypes, IntTypes)
+Plan = Union[PLANS]
+WeightGrid = Union[IntScheme, FP8Scheme, GGUFScheme]  # what one linear holds
 
 
 @dataclass(frozen=True)
 class LinearScheme:
     weights: WeightGrid
     # IntScheme weights: an InputQuant, or None (16-bit inputs); FP8Scheme weights: the FP8
-    # activation mode (dynamic, static or none); GGUFScheme weights: None (llama.cpp decides)
+    # activation mode (dynamic, static; none is None); GGUFScheme weights: None (llama.cpp decides)
     inputs: Union[InputQuant, ActivationMode, None] = None
 
     def __post_init__(self):
+        if self.inputs == "none":  # FP8's word for 16-bit inputs: one spelling, so schemes compare equal
+            object.__setattr__(self, "inputs", None)
         if not self.weights.takes_inputs(self.inputs):
             raise ValueError(f"{type(self.weights).__name__} weights cannot take inputs {short_repr(self.inputs)}")
 

@@ -7,6 +7,11 @@ A *grid* is one linear's number format (IntScheme, FP8Scheme, GGUFScheme). It sa
 - `round(w, name)`: round-to-nearest, a weight whose `FAMILY` builds its runtime module;
 - `search_groups(w)` and `fake_round(w, name)`: the slices a search judges together, and the
   rounded-and-back weight it judges;
+- `stacks_rows()`: whether GPTQ may solve linears that share an input as one matrix of stacked
+  rows (no scale spans two of them);
+- `sweep_view(w)`, where GPTQ fixes the scales from w before its sweep (fp8): `per_element` scales
+  (rows, cols; stride 0 along columns where every column shares them), `snap(w, scale)` onto the
+  grid, and `weight(swept)` from the swept values;
 and its runtime module answers the audit (`holds`, `audit`).
 
 A *plan* is what a recipe's `scheme:` names (one grid, a format per linear, a llama.cpp file type):

@@ -69,6 +69,19 @@ class FP8Linear(RuntimeModule):
             input_scale = input_scale.reshape(()).to(device)
         return fill_buffers(m, weight=fw.data, weight_scale=fw.scale, input_scale=input_scale, bias=bias)
 
+    @classmethod
+    def weight_only(cls, fw: FP8Weight, bias: Optional[torch.Tensor]) -> "FP8Linear":
+        """FP8 weights and 16-bit inputs: what a weight step (rtn, gptq) leaves; the fp8 step may then
+        quantize the inputs too."""
+        return cls.from_weight(fw, bias, "none")
+
+    def quantize_inputs(self, activations: ActivationMode, input_scale: Optional[torch.Tensor] = None) -> None:
+        """Switch 16-bit inputs to FP8 ones (the fp8 step after a weight step)."""
+        if (activations == "static") != (input_scale is not None):
+            raise ValueError("an input_scale is required with static activations and only with them")
+        self.activations = activations
+        self.input_scale = None if input_scale is None else input_scale.reshape(()).to(self.weight_scale.device)
+
     def fp8_weight(self) -> FP8Weight:
         return FP8Weight(self.weight, self.weight_scale, self.fmt, self.weight_strategy, self.block_size)
 

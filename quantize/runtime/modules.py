@@ -9,7 +9,7 @@ from lowbit.quantize.runtime.qlinear import QuantLinear
 
 QUANTIZED_LINEARS = (QuantLinear, FP8Linear, GGUFLinear)
 # a rounded weight's FAMILY -> the module that holds it in place of its linear
-BUILDERS = {"int": QuantLinear.from_quantized, "gguf": GGUFLinear.from_weight}
+BUILDERS = {"int": QuantLinear.from_quantized, "fp8": FP8Linear.weight_only, "gguf": GGUFLinear.from_weight}
 
 
 def is_quantized_linear(module: nn.Module) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
@@ -21,9 +21,9 @@ from lowbit.calibrate.arch import is_linear, layer_pairs, linear_weight
 from lowbit.calibrate.distributed import all_sum, count_before, mean_rows, sum_int, sum_numbers
 from lowbit.calibrate.walker import (LayerInputs, WhileAlive, first_output, layer_forward, record_linear_inputs,
                                      walk)
-from lowbit.quantize.grids.gguf_plan import GGUFTypes
 from lowbit.quantize.grids.integer import IntScheme, fake_quantize, grouped, scale_zero_from_range
-from lowbit.quantize.steps.awq_gguf import search_clip_gguf
+from lowbit.quantize.grids.linear import Plan
+from lowbit.quantize.steps.awq_rounded_clip import search_clip_rounded
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.fold import fold_scale, follower_index
 from lowbit.quantize.steps.smoothing import pair_index, to_prev, token_stride
@@ -36,7 +36,7 @@ class AWQConfig:
     # the weight grid the searches assume: the weight step after it must write this grid (AWQ
     # usually quantizes asymmetrically, with a zero point: recipes say so); or a llama.cpp file
     # type (GGUFTypes): each linear searched with the GGML type it will be written in
-    scheme: Union[IntScheme, GGUFTypes] = IntScheme(4, True, "group", 128)
+    scheme: Plan = IntScheme(4, True, "group", 128)
     grid: int = 20  # scale exponents r = 0, 1/grid, ..., (grid-1)/grid
     duo_scaling: bool = True  # divide by weight magnitude^(1-r) too, not only activations^r
     clip: bool = True
@@ -301,11 +301,11 @@ def _clip_int(w, gram, grid, name: str, cfg: AWQConfig) -> torch.Tensor:
     return search_clip(w, gram, grid, cfg)
 
 
-def _clip_gguf(w, gram, grid, name: str, cfg: AWQConfig) -> torch.Tensor:
-    return search_clip_gguf(w, gram, partial(grid.fake_round, name=name), cfg.max_shrink, cfg.clip_grid)
+def _clip_rounded(w, gram, grid, name: str, cfg: AWQConfig) -> torch.Tensor:
+    return search_clip_rounded(w, gram, grid, name, cfg.max_shrink, cfg.clip_grid)
 
 
-CLIPS = {"int": _clip_int, "gguf": _clip_gguf}  # a grid's FAMILY -> its clip search
+CLIPS = {"int": _clip_int, "fp8": _clip_rounded, "gguf": _clip_rounded}  # a grid's FAMILY -> its clip search
 
 
 def apply(ctx: StepContext, cfg: AWQConfig) -> dict:

@@ -1,5 +1,6 @@
 """The `fp8` step: FP8 weights, and FP8 activations scaled per token (dynamic) or by a calibrated
-per-tensor scale (static), each target linear replaced by an FP8Linear."""
+per-tensor scale (static), each target linear replaced by an FP8Linear. Linears a weight step has
+already rounded onto an fp8 scheme (`rtn`, `gptq`) keep their weights: only their inputs change."""
 from __future__ import annotations
 
 import time
@@ -45,13 +46,19 @@ class FP8Config:
 
 def apply(ctx: StepContext, cfg: FP8Config) -> dict:
     targets = select_targets(ctx.model, ctx.arch, ctx.ignore)
+    rounded = _weight_only(ctx, targets)
     input_scales = {}
     if cfg.activations == "static":
-        # observed on the float model: all linears' inputs in one pass over the calibration data
-        absmax = ctx.linear_input_absmax(list(targets.linears))
+        # observed on the model as it stands (the float model unless a weight step ran before):
+        # all linears' inputs in one pass over the calibration data
+        absmax = ctx.linear_input_absmax(list(targets.linears) + list(rounded))
         input_scales = {name: scale_from_absmax(a.amax(), cfg.scheme.format) for name, a in absmax.items()}
+    for name, module in rounded.items():
+        module.quantize_inputs(cfg.activations, input_scales.get(name))
     result = {"quantized": list(targets.linears), "ignored": targets.ignored,
               "input_scales": {n: float(s) for n, s in input_scales.items()}}
+    if rounded:
+        result["inputs_quantized"] = list(rounded)
     rounded_nearest = targets.linears
     if cfg.rounding == "gptq":
         result.update(_apply_gptq(ctx, cfg, targets, input_scales))
@@ -63,6 +70,16 @@ def apply(ctx: StepContext, cfg: FP8Config) -> dict:
         replace_module(ctx.model, name, new)
         progress.step()
     return result
+
+
+def _weight_only(ctx: StepContext, targets) -> dict:
+    """The FP8 linears an earlier weight step (rtn, gptq onto an fp8 scheme) left with 16-bit
+    inputs: this step quantizes only their inputs; they leave `targets.ignored`."""
+    rounded = {n: m for n, m in ctx.model.named_modules()
+               if n in targets.ignored and isinstance(m, FP8Linear) and m.activations == "none"}
+    for name in rounded:
+        del targets.ignored[name]
+    return rounded
 
 
 def _apply_gptq(ctx: StepContext, cfg: FP8Config, targets, input_scales: dict) -> dict:
@@ -102,5 +119,6 @@ def _streamed(cfg: FP8Config) -> str:
 
 
 SPEC = StepSpec("fp8", FP8Config, apply, "FP8 weights and activations (dynamic or static)",
-                writes=lambda cfg: LinearScheme(cfg.scheme, cfg.activations), streamed=_streamed,
+                writes=lambda cfg: LinearScheme(cfg.scheme, cfg.activations), adds_inputs=lambda cfg: cfg.activations,
+                streamed=_streamed,
                 observes=lambda cfg: "linear_inputs" if cfg.activations == "static" else None)

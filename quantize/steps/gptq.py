@@ -10,17 +10,15 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 from torch import nn
 
 from lowbit.calibrate.arch import linear_weight
 from lowbit.calibrate.messages import short_repr
-from lowbit.quantize.grids.gguf_plan import GGUFTypes
-from lowbit.quantize.grids.int_plan import IntTypes
 from lowbit.quantize.grids.integer import IntScheme
-from lowbit.quantize.grids.linear import LinearScheme
+from lowbit.quantize.grids.linear import LinearScheme, Plan
 from lowbit.quantize.runtime.buffers import on_device
 from lowbit.quantize.runtime.modules import module_for
 from lowbit.quantize.steps.context import StepContext
@@ -32,9 +30,10 @@ from lowbit.quantize.targets import planned_targets, replace_module
 
 @dataclass(frozen=True)
 class GPTQConfig:
-    # channel or group, not tensor; or a llama.cpp file type (GGUFTypes): GPTQ onto its block grids;
-    # or a format per linear (IntTypes): linears sharing an input solved once per format
-    scheme: Union[IntScheme, GGUFTypes, IntTypes] = IntScheme(4, True, "group", 128)
+    # channel or group, not tensor; or FP8 (channel or block: scales fixed from the weight's ranges,
+    # each linear solved alone unless per channel); or a llama.cpp file type (GGUFTypes): GPTQ onto
+    # its block grids; or a format per linear (IntTypes): linears sharing an input solved once per format
+    scheme: Plan = IntScheme(4, True, "group", 128)
     batch_columns: int = 128  # columns per lazy batch update; rounded to a multiple of group_size
     dampening_frac: float = 0.01  # added to H's diagonal, as a fraction of its mean diagonal
     # none: columns in order; static: columns by decreasing Hessian diagonal, groups fixed
@@ -57,8 +56,8 @@ class GPTQConfig:
 
     def __post_init__(self):
         if not self.scheme.scales_per_row():
-            raise ValueError("gptq solves per-channel or per-group scales; scheme strategy tensor is not "
-                             "supported (use channel or group)")
+            raise ValueError("gptq solves per-channel, per-group or per-block scales; scheme strategy tensor is "
+                             "not supported (use channel, group, or block for fp8)")
         if self.batch_columns < 1 or self.micro_batch < 1:
             raise ValueError("batch_columns and micro_batch must be positive")
         if self.scale_search not in ("minmax", "mse"):
@@ -78,7 +77,7 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
     outside = {n: m for n, m in targets.linears.items() if not n.startswith(ctx.arch.layers + ".")}
 
     def solve(prefix, layer, members, hessian):
-        groups = list(by_grid(prefix, members, grids).items())
+        groups = by_grid(prefix, members, grids)
         if len(groups) == 1:  # the usual case: the accumulator is handed over, freed once factored
             (grid, names), = groups
             return [(names, _solve_shared(layer, names, hessian, grid, cfg))]
@@ -100,12 +99,14 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
             "damping_retries": damping_retries(layers), "layers": layers}
 
 
-def by_grid(prefix: str, members: list[str], grids: dict) -> dict:
-    """A layer group's members (names relative to the layer at `prefix`) split by their grid."""
+def by_grid(prefix: str, members: list[str], grids: dict) -> list[tuple]:
+    """A layer group's members (names relative to the layer at `prefix`) split by their grid, as
+    (grid, names) solves; a grid whose scales would span stacked linears solves each alone."""
     out: dict = {}
     for name in members:
-        out.setdefault(grids[f"{prefix}.{name}"], []).append(name)
-    return out
+        grid = grids[f"{prefix}.{name}"]
+        out.setdefault(grid if grid.stacks_rows() else (grid, name), (grid, []))[1].append(name)
+    return list(out.values())
 
 
 def _solve_shared(layer, members, hessian: HessianAccumulator, grid, cfg: GPTQConfig) -> tuple[GPTQResult, float]:

@@ -1,12 +1,12 @@
 """The grids GPTQ's column sweep rounds onto: scales fixed before the sweep (per channel, per group,
-FP8 per element) or group scales computed when the sweep reaches each group (act-order groups)."""
+per element by a grid's sweep view) or group scales computed when the sweep reaches each group
+(act-order groups)."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from lowbit.quantize.grids.fp8 import FP8Format, saturating_cast
 from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight, affine_values, nearest_levels, quantize_gguf
 from lowbit.quantize.grids.gguf_weighted import quantize_weighted
 from lowbit.quantize.grids.integer import (IntScheme, compute_scale_zero, fake_quantize_with_codes, grouped,
@@ -14,18 +14,18 @@ from lowbit.quantize.grids.integer import (IntScheme, compute_scale_zero, fake_q
 from lowbit.quantize.grids.scale_search import search_scale_zero
 
 
-class FP8ColumnGrid:
-    """Per-element FP8 scales (rows, cols) in processing order, fixed before GPTQ runs."""
+class FixedElementGrid:
+    """Scales per element (rows, cols) in processing order, fixed before GPTQ runs; the grid's view
+    snaps each column under its scales (FP8)."""
 
-    def __init__(self, scale: torch.Tensor, fmt: FP8Format):
-        self.scale_t, self.fmt = scale.t(), fmt  # a column's scales: one row here (a view, no copy)
+    def __init__(self, scale: torch.Tensor, snap):
+        self.scale_t, self.snap = scale.t(), snap  # a column's scales: one row here (a view, no copy)
 
     def begin(self, j: int, Wt_rest: torch.Tensor) -> None:
         pass
 
     def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
-        s = self.scale_t[j]
-        return saturating_cast(w / s, self.fmt).float() * s
+        return self.snap(w, self.scale_t[j])
 
 
 class GGUFColumnGrid:

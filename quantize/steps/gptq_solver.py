@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from lowbit.quantize.grids.fp8 import FP8Format, FP8Weight, WeightStrategy, element_scale, saturating_cast, weight_scale
+from lowbit.quantize.grids.fp8 import FP8Format, FP8Scheme, FP8Weight, WeightStrategy
 from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight, quantize_gguf
 from lowbit.quantize.grids.gguf_weighted import quantize_weighted
 from lowbit.quantize.grids.integer import QuantizedWeight
 from lowbit.quantize.steps.gguf_refit import REFITTABLE, refit_block_scales
-from lowbit.quantize.steps.gptq_grids import (FixedColumnGrid, FP8ColumnGrid, GGUFColumnGrid, LazyColumnGrid,
+from lowbit.quantize.steps.gptq_grids import (FixedColumnGrid, FixedElementGrid, GGUFColumnGrid, LazyColumnGrid,
                                               LazyGGUFColumnGrid)
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ MAX_DAMPING_RETRIES = 4  # each retry multiplies the damping by 10
 
 @dataclass
 class GPTQResult:
-    weight: QuantizedWeight | GGUFWeight
+    weight: QuantizedWeight | FP8Weight | GGUFWeight
     row_loss: torch.Tensor  # (out,) Σ_j (w - q)² / [H⁻¹]_jj / 2: mean squared output error per token
     dampening_frac: float  # the damping that worked
     retries: int  # Cholesky failures before it worked
@@ -106,6 +106,11 @@ def _solve_int(grid, W, H, cfg: GPTQConfig) -> GPTQResult:
 def _solve_gguf(grid, W, H, cfg: GPTQConfig) -> GPTQResult:
     H = H if isinstance(H, torch.Tensor) else H.take()  # the block-scale searches read H besides the sweep
     return GPTQResult(*gptq_solve_gguf(W() if callable(W) else W, H, cfg, grid))
+
+
+def _solve_fixed(grid, W, H, cfg: GPTQConfig) -> GPTQResult:
+    W = W() if callable(W) else W  # its ranges fix the scales before the factorisation
+    return GPTQResult(*_single_threaded(_gptq_solve_fixed, W, H, cfg, grid))
 
 
 def quantize_weight(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> QuantizedWeight:
@@ -198,22 +203,24 @@ def gptq_solve_fp8(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig, strategy: 
                    fmt: FP8Format = "e4m3", block: int = 128) -> tuple[FP8Weight, torch.Tensor, float, int]:
     """GPTQ of W onto an FP8 grid whose scales (per tensor, channel or block) are fixed from W's
     ranges first. Returns the FP8 weight, row losses, the damping used and its retries."""
-    return _single_threaded(_gptq_solve_fp8, W, H, cfg, strategy, fmt, block)
+    return _single_threaded(_gptq_solve_fixed, W, H, cfg, FP8Scheme(fmt, strategy, block))
 
 
-def _gptq_solve_fp8(W, H, cfg: GPTQConfig, strategy: WeightStrategy, fmt: FP8Format, block: int):
+def _gptq_solve_fixed(W, H, cfg: GPTQConfig, grid):
+    """GPTQ onto a grid whose scales its sweep view fixes from W before the sweep (they do not
+    depend on the column order, so act-order static and none are the same search)."""
     if cfg.actorder == "group":
-        raise ValueError("FP8 GPTQ supports actorder none or static (its scales do not depend on the order)")
-    scale = weight_scale(W, strategy, fmt, block)
-    per_element = element_scale(scale, W.shape, strategy, block).expand(W.shape)  # a view unless block
+        raise ValueError(f"GPTQ onto {grid.FAMILY} grids supports actorder none or static (their scales do not "
+                         "depend on the order)")
+    view = grid.sweep_view(W)
     Wp, _, perm, U, frac, retries = _prepare(W, H, cfg)
-    # tensor and channel scales are the same in every column: only block scales follow the permutation
-    grid = FP8ColumnGrid(per_element if perm is None or strategy != "block" else per_element[:, perm], fmt)
-    Q, row_loss = _solve_blocks(Wp.t().contiguous(), U, grid, cfg.batch_columns)
+    scale = view.per_element
+    if perm is not None and scale.stride(1) != 0:  # the same scales in every column need no permuting
+        scale = scale[:, perm]
+    swept, row_loss = _solve_blocks(Wp.t().contiguous(), U, FixedElementGrid(scale, view.snap), cfg.batch_columns)
     if perm is not None:
-        Q = Q[:, torch.argsort(perm)]
-    data = saturating_cast(Q / per_element, fmt)  # exact: Q already lies on the grid
-    return FP8Weight(data, scale, fmt, strategy, block), row_loss, frac, retries
+        swept = swept[:, torch.argsort(perm)]
+    return view.weight(swept), row_loss, frac, retries
 
 
 def gptq_solve_gguf(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig,
@@ -358,4 +365,4 @@ def _solve_blocks(Wt: torch.Tensor, U: torch.Tensor, grid, block: int, codes: bo
     return Qt.t(), row_loss
 
 
-SOLVERS = {"int": _solve_int, "gguf": _solve_gguf}  # a grid's FAMILY -> its GPTQ solver
+SOLVERS = {"int": _solve_int, "fp8": _solve_fixed, "gguf": _solve_gguf}  # a grid's FAMILY -> its GPTQ solver

@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import torch
 
 from lowbit.calibrate.arch import linear_weight
 from lowbit.calibrate.progress import Progress
-from lowbit.quantize.grids.gguf_plan import GGUFTypes
-from lowbit.quantize.grids.int_plan import IntTypes
 from lowbit.quantize.grids.integer import IntScheme
-from lowbit.quantize.grids.linear import LinearScheme
+from lowbit.quantize.grids.linear import LinearScheme, Plan
 from lowbit.quantize.runtime.modules import module_for
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.spec import StepSpec
@@ -20,9 +18,10 @@ from lowbit.quantize.targets import planned_targets, replace_module
 
 @dataclass(frozen=True)
 class RTNConfig:
-    # RTN needs nothing beyond the grid itself; a llama.cpp file type (GGUFTypes) rounds as
-    # llama.cpp's reference quantizer does; a format per linear (IntTypes) rounds each to its own
-    scheme: Union[IntScheme, GGUFTypes, IntTypes] = IntScheme()
+    # RTN needs nothing beyond the grid itself (integer, or FP8: 16-bit inputs until an fp8 step);
+    # a llama.cpp file type (GGUFTypes) rounds as llama.cpp's reference quantizer does; a format
+    # per linear (IntTypes) rounds each to its own
+    scheme: Plan = IntScheme()
 
 
 def apply(ctx: StepContext, cfg: RTNConfig) -> dict:

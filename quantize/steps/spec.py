@@ -6,7 +6,7 @@ Each algorithm's file defines its config, its apply() and one SPEC; registry.py 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from lowbit.quantize.grids.inputs import InputQuant
 from lowbit.quantize.grids.integer import IntScheme
@@ -35,8 +35,9 @@ class StepSpec:
     summary: str  # one line for `lowbit recipes` and the docs
     # the scheme every linear the step targets is left with (weight steps), else None
     writes: Callable[[Any], Optional[LinearScheme]] = _nothing
-    # input quantization added to the integer linears already quantized (quantize_inputs)
-    adds_inputs: Callable[[Any], Optional[InputQuant]] = _nothing
+    # input quantization added to the linears already quantized whose grid takes it (quantize_inputs:
+    # an InputQuant for integer ones; fp8: an activation mode for FP8 ones)
+    adds_inputs: Callable[[Any], Union[InputQuant, str, None]] = _nothing
     # the KV-cache format the model runs with afterwards
     kv_cache: Callable[[Any], Optional[KVCacheConfig]] = _nothing
     # the weight grid a scale search assumes (awq, smoothquant): the next weight step must write it
