@@ -1,7 +1,9 @@
 """compressed-tensors' layers: `quantization_config`, and each quantized module sent to the codec
 of its scheme family. A codec (int8.py, packed.py, fp8.py) is a module with handles(module),
 reads(group), scheme_entry(name, module), module_tensors(prefix, module, dtype) and
-build_module(prefix, tensors, group); add a scheme by adding its codec to CODECS.
+build_module(prefix, tensors, group), and for the audit (agreement.py) STORED (the tensor holding
+its weights, its safetensors dtype, what it is), READS (what it reads, in a few words) and
+config_problems(prefix, table, group, where); add a scheme by adding its codec to CODECS.
 """
 from __future__ import annotations
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from .shape_checks import input_scale_problems, shape_problem
+
 FORMAT = "float-quantized"
+STORED = ("weight", "F8_E4M3", "float8_e4m3fn values (float-quantized)")  # tensor suffix, safetensors dtype, what
+READS = "float 8 bits"  # the weights this codec reads, as the agreement check lists them
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 
 
@@ -44,6 +48,22 @@ def module_tensors(prefix: str, module, dtype: torch.dtype) -> dict[str, torch.T
     if module.bias is not None:
         out[f"{prefix}.bias"] = module.bias.to(dtype)
     return out
+
+
+def config_problems(prefix: str, table, group: dict, where: str) -> list[str]:
+    """How one module's tensors in `table` (a TensorTable) disagree with its config `group` at `where`."""
+    weights = group["weights"]
+    out_f, in_f = table.shape(f"{prefix}.weight")
+    strategy = weights.get("strategy")
+    block = (weights.get("block_structure") or [128])[0]
+    need = {"tensor": (1,), "channel": (out_f, 1), "block": (-(-out_f // block), -(-in_f // block))}.get(strategy)
+    if need is None:
+        return [f"{prefix}.weight_scale: {where}.weights.strategy is {strategy!r}; "
+                f"supported: {', '.join(WEIGHT_STRATEGIES)}"]
+    said = f"{where}.weights.strategy {strategy}" + (f", block {block}" if strategy == "block" else "")
+    problems = shape_problem(f"{prefix}.weight_scale", table, need, f"{said} needs {need}",
+                             numel_only=strategy == "tensor")
+    return problems + input_scale_problems(prefix, table, group, where)
 
 
 def build_module(prefix: str, tensors: dict[str, torch.Tensor], group: dict):

@@ -13,9 +13,12 @@ import torch
 from lowbit.quantize.grids.inputs import InputQuant
 from lowbit.quantize.runtime.qlinear import QuantLinear
 
-from .packed import scheme_from_args
+from .packed import READS as PACKED_READS, group_scheme, scheme_from_args
+from .shape_checks import input_scale_problems, scale_problem, zero_problems
 
 FORMAT = "int-quantized"
+STORED = ("weight", "I8", "int8 codes (int-quantized)")  # tensor suffix, safetensors dtype, what
+READS = PACKED_READS  # packed's weights with int8 inputs: the agreement check lists them once
 
 
 def handles(module) -> bool:
@@ -50,6 +53,17 @@ def module_tensors(prefix: str, module: QuantLinear, dtype: torch.dtype) -> dict
     if module.bias is not None:
         out[f"{prefix}.bias"] = module.bias.to(dtype)
     return out
+
+
+def config_problems(prefix: str, table, group: dict, where: str) -> list[str]:
+    """How one module's tensors in `table` (a TensorTable) disagree with its config `group` at `where`."""
+    scheme, problems = group_scheme(prefix, group, where)
+    if scheme is None:
+        return problems
+    out_f, in_f = table.shape(f"{prefix}.weight")
+    problems = scale_problem(prefix, table, scheme, out_f, in_f, where)
+    problems += zero_problems(prefix, table, scheme, (1,) if scheme.strategy == "tensor" else (out_f, 1), where)
+    return problems + input_scale_problems(prefix, table, group, where)
 
 
 def build_module(prefix: str, tensors: dict[str, torch.Tensor], group: dict) -> QuantLinear:

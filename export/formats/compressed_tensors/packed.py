@@ -16,7 +16,11 @@ import torch
 from lowbit.quantize.grids.integer import IntScheme, pack_codes, unpack_codes
 from lowbit.quantize.runtime.qlinear import QuantLinear
 
+from .shape_checks import scale_problem, shape_problem, zero_problems
+
 FORMAT = "pack-quantized"
+STORED = ("weight_packed", "I32", "packed integer codes (pack-quantized)")  # tensor suffix, safetensors dtype, what
+READS = "int 2-8 bits"  # the weights this codec reads, as the agreement check lists them
 
 
 def handles(module) -> bool:
@@ -80,6 +84,34 @@ def scheme_from_args(args: dict, where: str) -> IntScheme:
     group_size = args.get("group_size") if strategy == "group" else None
     return IntScheme(bits=args["num_bits"], symmetric=args.get("symmetric", True), strategy=strategy,
                      group_size=group_size)
+
+
+def group_scheme(prefix: str, group: dict, where: str) -> tuple[IntScheme | None, list[str]]:
+    """(the IntScheme the reader builds from the group, []) or (None, [why it cannot])."""
+    weights = group["weights"]
+    if not isinstance(weights.get("num_bits"), int):
+        return None, [f"{prefix}.weight_scale: {where}.weights.num_bits is {weights.get('num_bits')!r}, not an integer"]
+    try:
+        return scheme_from_args(weights, f"{where}.weights"), []
+    except ValueError as err:
+        text = str(err)
+        return None, [f"{prefix}.weight_scale: {text if text.startswith(where) else f'{where}.weights: {text}'}"]
+
+
+def config_problems(prefix: str, table, group: dict, where: str) -> list[str]:
+    """How one module's tensors in `table` (a TensorTable) disagree with its config `group` at `where`."""
+    scheme, problems = group_scheme(prefix, group, where)
+    if scheme is None:
+        return problems
+    if f"{prefix}.weight_shape" not in table:
+        return [f"{prefix}.weight_shape: missing (pack-quantized needs the [out, in] of each weight)"]
+    out_f, in_f = (int(v) for v in table.value(f"{prefix}.weight_shape").tolist())
+    words = (in_f * scheme.bits + 31) // 32
+    problems = shape_problem(f"{prefix}.weight_packed", table, (out_f, words),
+                             f"{where}.weights.num_bits {scheme.bits} packs {in_f} columns into {words} words")
+    problems += scale_problem(prefix, table, scheme, out_f, in_f, where)
+    zero = (1,) if scheme.strategy == "tensor" else ((out_f * scheme.bits + 31) // 32, scheme.num_groups(in_f))
+    return problems + zero_problems(prefix, table, scheme, zero, where)
 
 
 def build_module(prefix: str, tensors: dict[str, torch.Tensor], group: dict) -> QuantLinear:
