@@ -11,6 +11,7 @@ from lowbit.quantize.audit import layer_records
 
 from .plots import budget_plot, layer_error_plot, tradeoff_plot
 from .report_data import rows_for
+from .report_verdict import verdict_lines
 
 MIB = 2**20
 
@@ -104,6 +105,16 @@ def expert_table(rows) -> tuple[list[str], list[list[str]]]:
     return head, body
 
 
+EMPTY_CELLS = ("–", "")
+
+
+def drop_empty_columns(head: list[str], body: list[list[str]]) -> tuple[list[str], list[list[str]]]:
+    """The table without the columns no row has a figure in (e.g. speed columns when speed was not timed);
+    a table without rows is kept whole, so its header still says what it would hold."""
+    keep = [i for i in range(len(head)) if not body or any(row[i] not in EMPTY_CELLS for row in body)]
+    return [head[i] for i in keep], [[row[i] for i in keep] for row in body]
+
+
 def _md_table(head, body) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
@@ -126,7 +137,8 @@ def plan_table(rows) -> tuple[list[str], list[list[str]]]:
         peak = r["measured_peak"]
         total = peak.get("measured_total_bytes")
         body.append([r["label"], ", ".join(f"{k} {n}" for k, n in sorted(r["plan_formats"].items())), r["plan_kv"],
-                     _fmt(r["plan_predicted_kl"], ".4g"), _fmt(r["kl_mean"], ".4g"), _fmt(r["plan_predicted_mib"], ".1f"),
+                     _fmt(r["plan_predicted_kl"], ".4g"), _fmt(r["kl_mean"], ".4g"),
+                     _fmt(r["plan_predicted_mib"], ".1f"),
                      _fmt(total and total / MIB, ".1f"), _fmt(r["plan_budget_mib"], ".1f")])
     return head, body
 
@@ -141,6 +153,20 @@ def kernels_note(rows) -> str:
     return head + (" Quantized linears ran: " + "; ".join(lines) + "." if lines else "")
 
 
+def speed_note(rows) -> str:
+    bw = sorted({f"{r['bandwidth_gbs']:.1f}" for r in rows if r.get("bandwidth_gbs")})
+    note = (f"Read bandwidth measured in the same run: {', '.join(bw)} GB/s; roofline tok/s = batch x "
+            "bandwidth / bytes read per decode step (weights + KV). ") if bw else ""
+    note += "Wall-clock medians on the machine named in results.json; noisy on a shared machine."
+    return note + kernels_note(rows)
+
+
+def fit_note(rows) -> str:
+    max_ctx = next((r["model_max_context"] for r in rows if r.get("model_max_context")), None)
+    trained = f" The model was trained for {max_ctx:,} tokens: longer contexts fit in memory only." if max_ctx else ""
+    return "Predicted: weights + KV cache + activation workspace (16-bit activations; see results.json)." + trained
+
+
 def build_sections(rows, notes) -> list[tuple[str, tuple | None, bytes | None, str]]:
     """(title, table, png, note) in report order."""
     speed = tradeoff_plot(rows, "decode_tok_s", "decode tokens/s at batch 1", higher_x_better=True)
@@ -150,19 +176,15 @@ def build_sections(rows, notes) -> list[tuple[str, tuple | None, bytes | None, s
     plans = plan_table(rows)
     lm = lm_eval_table(rows)
     experts = expert_table(rows)
-    bw = sorted({f"{r['bandwidth_gbs']:.1f}" for r in rows if r.get("bandwidth_gbs")})
-    speed_note = (f"Read bandwidth measured in the same run: {', '.join(bw)} GB/s; roofline tok/s = batch x "
-                  "bandwidth / bytes read per decode step (weights + KV). Wall-clock medians; noisy on a "
-                  "shared machine.") if bw else ""
-    speed_note += kernels_note(rows)
-    max_ctx = next((r["model_max_context"] for r in rows if r.get("model_max_context")), None)
-    fit_note = ("Predicted: weights + KV cache + activation workspace (16-bit activations; see results.json)."
-                + (f" The model was trained for {max_ctx:,} tokens: longer contexts fit in memory only." if max_ctx else ""))
-    return [
+    mem_missing = ("No quality loss to plot: neither the unquantized perplexity nor KL was measured."
+                   if any(r["weight_bytes"] for r in rows) else "No memory figures recorded.")
+    sections = [
+        ("Verdict", None, None, "\n".join(verdict_lines(rows))),
         ("Summary", summary_table(rows), None, "\n".join(notes)),
         ("Quality loss vs decode speed", None, speed,
-         speed_note if speed else "No speed figures: enable evaluate.speed (e.g. --set evaluate.speed.enabled=true)."),
-        ("Quality loss vs weight memory", None, mem, "" if mem else "No memory figures recorded."),
+         speed_note(rows) if speed else
+         "No speed figures: enable evaluate.speed (e.g. --set evaluate.speed.enabled=true)."),
+        ("Quality loss vs weight memory", None, mem, "" if mem else mem_missing),
         ("Memory: predicted and measured", memory_table(rows), None,
          "Measured on CPU in a fresh process that loads the checkpoint once: the resident set the loaded "
          "model took (after a short first call touches every weight), then the high-water mark's rise "
@@ -170,7 +192,7 @@ def build_sections(rows, notes) -> list[tuple[str, tuple | None, bytes | None, s
          "cannot hide it). On GPU it is torch.cuda.max_memory_allocated in the evaluating process. "
          "The KV cache per layer counts sliding windows, shared and latent caches as the config says."),
         ("What fits: longest context (1 sequence) and concurrent sequences, by budget", fit_tables(rows), None,
-         fit_note),
+         fit_note(rows)),
         ("Budget plans (lowbit fit) against uniform recipes", plans if plans[1] else None, budget,
          ("Each plan's predicted KL is the sum of each linear's (and the KV cache's) measured alone; its predicted "
           "memory is weights + KV cache + chunked-prefill workspace, measured on the memory-lean CPU runtime "
@@ -183,10 +205,13 @@ def build_sections(rows, notes) -> list[tuple[str, tuple | None, bytes | None, s
         ("Per-layer error", None, layers,
          "" if layers else "No step recorded per-layer errors (RTN does not; GPTQ-like steps do)."),
     ]
+    # a table without rows says nothing its section's note does not
+    return [(title, drop_empty_columns(*table) if table and table[1] else None, png, note)
+            for title, table, png, note in sections]
 
 
 def render_markdown(sections) -> str:
-    parts = ["# lowbit report", "", "Timings are wall-clock on the machine named in results.json.", ""]
+    parts = ["# lowbit report", ""]
     for title, table, png, note in sections:
         parts += [f"## {title}", ""]
         if table:
@@ -210,11 +235,20 @@ def render_html(sections) -> str:
         if table:
             body.append(_html_table(*table))
         if png:
-            body.append(f'<img alt="{html.escape(title)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">')
+            data = base64.b64encode(png).decode()
+            body.append(f'<img alt="{html.escape(title)}" src="data:image/png;base64,{data}">')
         if note:
-            body.append("".join(f"<p>{html.escape(line)}</p>" for line in note.splitlines()))
+            body.append(_html_note(note))
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>lowbit report</title>"
             f"<style>{STYLE}</style></head><body>{''.join(body)}</body></html>")
+
+
+def _html_note(note: str) -> str:
+    """Paragraphs, or a list where every line is a markdown bullet (the verdict)."""
+    lines = note.splitlines()
+    if all(line.startswith("- ") for line in lines):
+        return "<ul>" + "".join(f"<li>{html.escape(line[2:])}</li>" for line in lines) + "</ul>"
+    return "".join(f"<p>{html.escape(line)}</p>" for line in lines)
 
 
 def write_report(runs: list[dict], html_path: str | Path, labels: Optional[list[str]] = None) -> Path:

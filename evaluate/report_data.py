@@ -82,7 +82,8 @@ def rows_for(runs: list[dict], labels: Optional[list[str]] = None) -> tuple[list
         q, m = r.get("quality", {}), r.get("memory", {})
         base_ppl = q.get("baseline_perplexity")
         rows.append(_row(label, "plan" if is_plan(r) else "lowbit", model, q.get("perplexity"), base_ppl, q, m,
-                         _speed(r.get("speed"), "model"), {"steps": r.get("steps", []), **plan_figures(r)}))
+                         _speed(r.get("speed"), "model"), {"steps": r.get("steps", []), **plan_figures(r),
+                                                           **unquantized_memory(m)}))
         if base_ppl and ("baseline", model) not in seen:
             seen.add(("baseline", model))
             base_mem = {"weight_bytes": m.get("baseline_weight_bytes"), "predicted": m.get("baseline_predicted"),
@@ -107,7 +108,12 @@ def rows_for(runs: list[dict], labels: Optional[list[str]] = None) -> tuple[list
     return rows, notes
 
 
-PLAN_MARK = "lowbit fit:"  # how a plan's recipe description begins (recipes/fit_plan.py)
+def unquantized_memory(memory: dict) -> dict:
+    """The unquantized model's weight bytes and fit table, beside the run's own (for the verdict)."""
+    return {"baseline_weight_bytes": memory.get("baseline_weight_bytes"), "baseline_fit": memory.get("baseline_fit")}
+
+
+PLAN_MARK = "lowbit fit:"  # how a plan's recipe description begins (app/fit_plan.py)
 
 
 def is_plan(run: dict) -> bool:

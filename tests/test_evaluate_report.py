@@ -136,3 +136,74 @@ def test_memory_table_puts_the_measured_increase_beside_the_prediction():
     assert line["measured: prefill batch x context + decoded"] == "4 x 512 + 4 (float32, fresh subprocess)"
     assert (line["loaded model resident MiB"], line["measured increase MiB"]) == ("30.0", "45.0")
     assert line["measured / predicted"] == "1.50"
+
+
+def _full_run():
+    """Every figure measured; the quantized model holds the trained context in 24 GiB only, the
+    unquantized one not even there."""
+    run = _results("w4", 10.8, 2**20, 6.0)
+    run["memory"].update(model_max_context=2048,
+                         fit=[{"budget_gib": 8, "max_context": 1000, "max_sequences": 0, "at_context": 4096},
+                              {"budget_gib": 24, "max_context": 100_000, "max_sequences": 3, "at_context": 4096}],
+                         baseline_fit=[{"budget_gib": 8, "max_context": 0, "max_sequences": 0, "at_context": 4096},
+                                       {"budget_gib": 24, "max_context": 1500, "max_sequences": 0,
+                                        "at_context": 4096}])
+    return run
+
+
+def _section(md, title):
+    return md.split(f"## {title}\n")[1].split("\n## ")[0].strip()
+
+
+def test_report_leads_with_a_verdict_of_size_quality_and_fit(tmp_path):
+    out = write_report([_full_run()], tmp_path / "report.html")
+    md = out.with_suffix(".md").read_text()
+    assert md.split("\n## ")[1].startswith("Verdict")  # before any table
+    assert _section(md, "Verdict") == (
+        "- w4: 4.00x smaller weights (4.0 -> 1.0 MiB). Quality: perplexity 10.00 -> 10.80 (+8.00%), "
+        "mean KL 0.008 nats, top-1 agreement 90.0%. Fits: 24 GiB at the full trained context (2,048 tokens); "
+        "8 GiB up to 1,000 of 2,048 trained tokens (unquantized: 24 GiB up to 1,500 of 2,048 trained tokens; "
+        "not in 8 GiB).")
+    page = out.read_text()
+    assert "<h2>Verdict</h2><ul><li>w4: 4.00x smaller weights" in page
+    assert "decode tok/s (b1)" in _section(md, "Summary")  # speed was timed: its columns stay
+
+
+def _md_tables(md):
+    """Each markdown table as its list of columns (header cell first)."""
+    tables = [block.splitlines() for block in md.split("\n\n") if block.startswith("| ")]
+    rows = [[[c.strip() for c in line.strip("|").split("|")] for line in t if not line.startswith("|---")]
+            for t in tables]
+    return [list(zip(*t)) for t in rows]
+
+
+def test_a_run_without_kl_or_speed_says_so_and_shows_no_empty_columns(tmp_path):
+    run = _full_run()
+    del run["quality"]["kl"], run["speed"]
+    md = write_report([run], tmp_path / "report.html").with_suffix(".md").read_text()
+    verdict = _section(md, "Verdict")
+    assert "perplexity 10.00 -> 10.80 (+8.00%). Not measured: mean KL, top-1 agreement." in verdict
+    summary = _section(md, "Summary").splitlines()[0]
+    assert "KL mean" not in summary and "top-1" not in summary and "tok/s" not in summary and "TTFT" not in summary
+    columns = [col for table in _md_tables(md) for col in table]
+    assert columns and not [col[0] for col in columns if all(cell == "–" for cell in col[1:])]
+
+
+def test_verdict_does_not_cap_an_unknown_trained_context():
+    from lowbit.evaluate.report_verdict import fit_phrase
+
+    row = {"fit": [{"budget_gib": 8, "max_context": 5000}, {"budget_gib": 80, "max_context": 90_000}]}
+    assert fit_phrase(row) == ("Fits: 8 GiB up to 5,000 tokens; 80 GiB up to 90,000 tokens. "
+                               "The trained context is not recorded, so contexts are not capped.")
+    assert fit_phrase({**row, "model_max_context": 4096}) == (
+        "Fits: 8 and 80 GiB at the full trained context (4,096 tokens).")
+    assert fit_phrase({"fit": []}) == "What fits: not recorded."
+
+
+def test_drop_empty_columns_keeps_only_columns_with_a_figure():
+    from lowbit.evaluate.report import drop_empty_columns
+
+    head = ["scheme", "ppl", "KL", "tok/s", "note"]
+    body = [["w4", "10.8", "–", "–", ""], ["w8", "10.1", "0.01", "–", ""]]
+    assert drop_empty_columns(head, body) == (["scheme", "ppl", "KL"], [["w4", "10.8", "–"], ["w8", "10.1", "0.01"]])
+    assert drop_empty_columns(head, []) == (head, [])  # no rows: the header still says what it would hold
