@@ -309,7 +309,7 @@ def calibration(args, device) -> dict:
     runs = []
     for recipe in ("w4a16-gptq", "fp8-dynamic"):
         out = work / f"run-{recipe}"
-        cmd = [sys.executable, "-m", "lowbit.recipes.cli", "run", recipe, "--model", str(folder), "--output", str(out),
+        cmd = [sys.executable, "-m", "lowbit.app.cli", "run", recipe, "--model", str(folder), "--output", str(out),
                "--overwrite", "--device", device.type, *[a for s in small for a in ("--set", s)]]
         start = time.perf_counter()
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.test_timeout)

@@ -102,8 +102,8 @@ def calibrate(mode: str, folder: Path, task: str, samples: int, device: str) -> 
 
     import torch
 
-    from lowbit.recipes.resume import RunProgress
-    from lowbit.recipes.run import quantize_and_export
+    from lowbit.app.resume import RunProgress
+    from lowbit.app.run import quantize_and_export
     from lowbit.recipes.schema import load_recipe
 
     recipe = load_recipe(f"w4a16-{task}", (f"model={folder}", f"calibration.streaming={mode == 'streamed'}",

@@ -27,7 +27,7 @@ STAGES = ("load_s", "calibrate_s", "quantize_s", "export_s")
 
 def one_run(recipe: str, model: str, streamed: bool, out: Path) -> dict:
     settings = [*QUICK, f"calibration.streaming={str(streamed).lower()}"]
-    cmd = [sys.executable, "-m", "lowbit.recipes.cli", "run", recipe, "--model", model, "--output", str(out),
+    cmd = [sys.executable, "-m", "lowbit.app.cli", "run", recipe, "--model", model, "--output", str(out),
            *[x for s in settings for x in ("--set", s)]]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:

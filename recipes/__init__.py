@@ -1,1 +1,2 @@
-"""Recipe schema, the run() pipeline, the CLI and the shipped recipes."""
+"""The recipe language: the schema, its validation, bounded YAML, the defaults a recipe implies, and the shipped
+recipes (*.yaml). It parses and checks recipes only; what runs them is lowbit.app."""

@@ -18,7 +18,7 @@ from lowbit.export.config import ExportConfig
 from lowbit.quantize.grids.linear import LinearScheme
 from lowbit.quantize.steps.registry import STEPS
 from . import safe_yaml
-from .fit_plan import FitConfig
+from .fit_config import FitConfig
 from .validate import RecipeError, build, to_plain
 
 SHIPPED_DIR = Path(__file__).parent

@@ -63,7 +63,7 @@ def broadcast(out: str) -> None:
 
 def fault(kind: str, argv: list[str]) -> int:
     import lowbit.quantize.steps.gptq_solver as gptq_solver
-    from lowbit.recipes.cli import main
+    from lowbit.app.cli import main
 
     def faulty(*args, **kwargs):
         if kind == "raise":

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 STOPS_IN_EVALUATION = """
 import signal, sys, time
 import lowbit.evaluate.evaluation as evaluation
-from lowbit.recipes.cli import main
+from lowbit.app.cli import main
 
 def evaluating(*args, **kwargs):
     print("EVALUATING", flush=True)
@@ -64,8 +64,8 @@ def start_run_stopping_in_evaluation(args: list[str], cwd) -> subprocess.Popen:
 # LOWBIT_TEST_FSIZE bytes (RLIMIT_FSIZE, set only now: a real write failure at the results stage).
 AT_RESULTS_STAGE = """
 import os, resource, signal, sys, time
-import lowbit.recipes.run as run
-from lowbit.recipes.cli import main
+import lowbit.app.run as run
+from lowbit.app.cli import main
 
 write_results = run.write_results
 

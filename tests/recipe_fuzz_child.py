@@ -28,8 +28,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lowbit.recipes.cli import main
 from lowbit.recipes.schema import shipped_recipes
+from lowbit.app.cli import main
 
 EXAMPLES = int(os.environ.get("LOWBIT_FUZZ_EXAMPLES", "500"))
 WORK = Path(tempfile.mkdtemp(prefix="lowbit-recipe-fuzz-"))

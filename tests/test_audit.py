@@ -13,9 +13,9 @@ from lowbit.calibrate.arch import arch_for
 from lowbit.quantize.grids import integer
 from lowbit.quantize.audit import AuditError, audit_model
 from lowbit.quantize.steps.context import StepContext
-from lowbit.recipes.audit import audit_run, expected_schemes
-from lowbit.recipes.cli import main
 from lowbit.recipes.schema import parse_recipe
+from lowbit.app.audit import audit_run, expected_schemes
+from lowbit.app.cli import main
 
 W4 = {"bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}
 QUICK = ["--set", "evaluate.baseline=false", "--set", "evaluate.kl.enabled=false",

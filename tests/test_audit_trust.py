@@ -19,10 +19,10 @@ from lowbit.export.streamed import only_layers
 from lowbit.quantize.audit import AuditError
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
-from lowbit.recipes.audit import audit_run, expected_schemes
-from lowbit.recipes.cli import main
 from lowbit.recipes.schema import parse_recipe
-from lowbit.recipes.streamed import PortionAudit
+from lowbit.app.audit import audit_run, expected_schemes
+from lowbit.app.cli import main
+from lowbit.app.streamed import PortionAudit
 
 RUN_SETS = [f"--set={s}" for s in SMALL_RUN]
 EVAL_SETS = [s for s in RUN_SETS if s.startswith("--set=evaluate.")]

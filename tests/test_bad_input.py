@@ -18,7 +18,7 @@ from lowbit.quantize.steps import gptq
 from lowbit.quantize.steps import rtn
 from lowbit.quantize.grids.integer import IntScheme, check_group_size
 from lowbit.quantize.steps.context import StepContext
-from lowbit.recipes.cli import main
+from lowbit.app.cli import main
 
 FAST = ["--set", "evaluate.baseline=false", "--set", "evaluate.kl.enabled=false",
         "--set", "evaluate.perplexity.max_tokens=256", "--set", "evaluate.perplexity.context_len=128",
@@ -205,7 +205,7 @@ def test_unwritable_parent_is_refused_before_any_work(tiny_folder, tmp_path, cap
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(parent) else
                         real_access(p, mode, **kw))
-    monkeypatch.setattr("lowbit.recipes.run.load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr("lowbit.app.run.load_model", lambda *a, **k: pytest.fail("loaded the model"))
     err = run_cli(["run", "w8a16-rtn", "--model", str(tiny_folder), "--output", str(parent / "run")], parent / "run",
                   capsys)
     assert f"cannot create files in {parent}" in err and list(parent.iterdir()) == []

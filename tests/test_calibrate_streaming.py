@@ -91,7 +91,7 @@ def test_an_input_capture_reads_only_the_embedding_rows_its_tokens_use(tmp_path)
     from transformers import AutoModelForCausalLM
 
     from lowbit.calibrate.arch import arch_for
-    from lowbit.recipes.streamed import StreamedLayers
+    from lowbit.app.streamed import StreamedLayers
     from tiny_models import save_tiny_llama
 
     folder = save_tiny_llama(tmp_path / "tiny")

@@ -4,7 +4,7 @@ import json
 import pytest
 from tiny_models import save_tiny_llama
 
-from lowbit.recipes.cli import main
+from lowbit.app.cli import main
 
 QUICK_EVAL = ["--set", "evaluate.perplexity.max_tokens=1024", "--set", "evaluate.perplexity.context_len=256",
               "--set", "evaluate.perplexity.stride=256"]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tiny_models import save_tiny_llama
-from lowbit.recipes.cli import main
+from lowbit.app.cli import main
 
 TIMED = {"results.json", "report.html", "report.md"}  # wall times, measured memory
 MANIFEST = "manifest.json"
@@ -74,7 +74,7 @@ def test_gptq_in_another_process_with_other_hash_seed_and_one_thread(model_dir, 
     recipe = write_recipe(tmp_path, "gptq-kv8")
     assert main(run_args(recipe, model_dir, tmp_path / "a" / "run")) == 0
     env = {**os.environ, "PYTHONHASHSEED": "12345", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "lowbit.recipes.cli",
+    done = subprocess.run([sys.executable, "-m", "lowbit.app.cli",
                            *run_args(recipe, model_dir, tmp_path / "b" / "run")],
                           env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]

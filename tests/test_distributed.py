@@ -87,7 +87,7 @@ def tiny(tmp_path_factory):
 
 def lowbit_run(recipe: str, model, out: Path, nproc: int, extra=()) -> subprocess.CompletedProcess:
     """`lowbit run` in a second process (cwd: out's folder, not the repository root)."""
-    args = [sys.executable, "-m", "lowbit.recipes.cli", "run", recipe, "--model", str(model),
+    args = [sys.executable, "-m", "lowbit.app.cli", "run", recipe, "--model", str(model),
             "--output", str(out), "--nproc", str(nproc), *QUICK, *extra]
     return subprocess.run(args, cwd=out.parent, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -154,7 +154,7 @@ def test_two_ranks_write_the_one_rank_checkpoint(recipe, tiny, tmp_path):
 @pytest.mark.parametrize("kind", ["raise", "kill", "hang"])
 def test_a_failing_rank_stops_every_rank_with_its_error(kind, tiny, tmp_path):
     out = tmp_path / "out"
-    launch = ("import sys; from lowbit.recipes.ranks import relaunch; "
+    launch = ("import sys; from lowbit.app.ranks import relaunch; "
               f"sys.exit(relaunch(sys.argv[1:], 2, script={str(WORKERS)!r}))")
     args = [sys.executable, "-c", launch, "fault", kind, "run", "w4a16-gptq", "--model", str(tiny),
             "--output", str(out), *QUICK, "--set", "calibration.samples=16"]

@@ -82,7 +82,7 @@ def test_cli_streamed_baseline_reports_kl(tokenizer_dir, tmp_path, monkeypatch):
     """lowbit eval --stream-baseline: KL of another model against a baseline that is never loaded,
     the figures of resident KL."""
     from lowbit.evaluate.suite import Reference
-    from lowbit.recipes.cli import main
+    from lowbit.app.cli import main
 
     monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
     baseline = save_sharded_tiny(tmp_path / "base", "llama", tokenizer_dir)

@@ -58,7 +58,7 @@ def test_cli_streamed_baseline(tokenizer_dir, tmp_path, monkeypatch):
     import json
 
     from lowbit.evaluate.suite import Reference
-    from lowbit.recipes.cli import main
+    from lowbit.app.cli import main
 
     monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
     folder = save_sharded_tiny(tmp_path / "llama", "llama", tokenizer_dir)
@@ -78,7 +78,7 @@ def test_cli_streamed_baseline(tokenizer_dir, tmp_path, monkeypatch):
 
 
 def test_cli_streamed_baseline_needs_a_folder(capsys):
-    from lowbit.recipes.cli import main
+    from lowbit.app.cli import main
 
     assert main(["eval", "smollm2-135m", "--baseline", "org/not-a-folder", "--stream-baseline"]) != 0
     assert "local folder" in capsys.readouterr().err

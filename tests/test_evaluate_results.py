@@ -4,7 +4,7 @@ import json
 
 from tiny_models import save_tiny_llama
 
-from lowbit.recipes.cli import main
+from lowbit.app.cli import main
 
 QUICK_EVAL = ["--set", "evaluate.perplexity.max_tokens=512", "--set", "evaluate.perplexity.context_len=128",
               "--set", "evaluate.perplexity.stride=128", "--set", "evaluate.kl.max_tokens=256"]

@@ -19,7 +19,7 @@ from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
 from lowbit.quantize.grids.integer import IntScheme, quantize_rtn
 from lowbit.quantize.runtime.qlinear import QuantLinear
-from lowbit.recipes.cli import main
+from lowbit.app.cli import main
 
 PLAIN_LOAD = """
 import json, sys, torch

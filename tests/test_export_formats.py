@@ -13,7 +13,7 @@ from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
 from lowbit.export.formats.registry import FORMATS, format_of, format_of_folder
 from lowbit.export.model_card import render_card
-from lowbit.recipes.cli import main
+from lowbit.app.cli import main
 
 
 def example(name: str):

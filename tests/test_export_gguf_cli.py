@@ -22,7 +22,7 @@ from lowbit.quantize.grids.gguf import fallback_type
 from lowbit.quantize.grids.kv import KVCacheConfig
 from lowbit.quantize.runtime.kv_cache import attach
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
-from lowbit.recipes.cli import main
+from lowbit.app.cli import main
 
 
 @pytest.fixture(scope="module")

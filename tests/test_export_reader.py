@@ -10,7 +10,7 @@ from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
 from lowbit.quantize.grids.integer import IntScheme, compute_scale_zero
 from lowbit.quantize.runtime.qlinear import QuantLinear
-from lowbit.recipes.cli import main
+from lowbit.app.cli import main
 from tiny_models import make_tiny_model
 
 

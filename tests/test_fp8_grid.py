@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from tiny_models import save_tiny_llama
-from lowbit.recipes.audit import audit_run
-from lowbit.recipes.cli import main
+from lowbit.app.audit import audit_run
+from lowbit.app.cli import main
 from lowbit.calibrate.arch import arch_for
 from lowbit.quantize.grids.fp8 import FP8Scheme, quantize_weight_fp8
 from lowbit.quantize.runtime.fp8_linear import FP8Linear

@@ -21,7 +21,7 @@ from lowbit.quantize.steps.gptq_solver import SOLVERS
 
 ROOT = Path(__file__).resolve().parents[1]
 GRIDS = ROOT / "quantize" / "grids"
-OUTSIDE = [p for folder in ("calibrate", "quantize", "export", "evaluate", "recipes", "bench")
+OUTSIDE = [p for folder in ("calibrate", "quantize", "export", "evaluate", "recipes", "app", "bench")
            for p in sorted((ROOT / folder).rglob("*.py")) if GRIDS not in p.parents]
 
 

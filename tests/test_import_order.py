@@ -1,8 +1,8 @@
-"""Imports run one way: calibrate <- quantize (grids <- runtime <- steps) <- export <- evaluate <- recipes.
+"""Imports run one way: calibrate <- quantize (grids <- runtime <- steps) <- export <- evaluate <- recipes <- app.
 
 Every import statement of every module (function-level ones too) is read from the source and
 checked against that order; export and evaluate may see the runtime and the grids but never a
-step's file, and recipes reach the steps through their registry only.
+step's file, and recipes and app reach the steps through their registry only.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("calibrate", "quantize", "export", "evaluate", "recipes")
+FOLDERS = ("calibrate", "quantize", "export", "evaluate", "recipes", "app")
 # lowest first; a module may import its own layer and the layers before it
 LAYERS = ("lowbit.calibrate", "lowbit.quantize.grids", "lowbit.quantize.runtime", "lowbit.quantize",
-          "lowbit.quantize.steps", "lowbit.export", "lowbit.evaluate", "lowbit.recipes")
+          "lowbit.quantize.steps", "lowbit.export", "lowbit.evaluate", "lowbit.recipes", "lowbit.app")
 STEP_PLUMBING = {"lowbit.quantize.steps", "lowbit.quantize.steps.registry", "lowbit.quantize.steps.spec",
                  "lowbit.quantize.steps.context"}  # what code outside the steps may import of them
 
@@ -85,7 +85,7 @@ def violations(path: Path, me: str | None = None) -> list[str]:
 def test_the_walk_sees_every_package_module():
     names = {module_name(p) for p in sources()}
     assert {"lowbit.quantize.steps.gptq", "lowbit.quantize.runtime.qlinear", "lowbit.quantize.grids.integer",
-            "lowbit.export.checkpoint", "lowbit.recipes.run"} <= names
+            "lowbit.export.checkpoint", "lowbit.app.run"} <= names
     assert len(names) > 60
 
 
@@ -95,8 +95,8 @@ def test_imports_follow_the_one_way_order(path):
 
 
 def test_a_backward_import_is_caught(tmp_path):
-    """The check itself can fail: an export module importing a step or evaluate, and the
-    runtime importing a step (relatively), are reported."""
+    """The check itself can fail: an export module importing a step or evaluate, the runtime
+    importing a step (relatively), and the recipe language importing the application are reported."""
     probe = tmp_path / "probe.py"
     probe.write_text("from lowbit.quantize.steps import gptq\nfrom lowbit.evaluate import memory\n")
     found = violations(probe, "lowbit.export.probe")
@@ -105,3 +105,5 @@ def test_a_backward_import_is_caught(tmp_path):
     probe.write_text("from ..steps import rtn\n")
     assert "lowbit.quantize.runtime.probe imports lowbit.quantize.steps.rtn, a later layer (lowbit.quantize.steps)" \
         in violations(probe, "lowbit.quantize.runtime.probe")
+    probe.write_text("from lowbit.app.run import run\n")
+    assert any("later layer (lowbit.app)" in v for v in violations(probe, "lowbit.recipes.probe"))

@@ -22,13 +22,13 @@ from lowbit.calibrate.models import load_model
 from lowbit.calibrate.streaming import ShardedWeights, check_weights_match, empty_model
 from lowbit.export.formats.hf_folder import read_safetensors
 from lowbit.export.reader import load
-from lowbit.recipes.cli import main
 from lowbit.recipes.schema import shipped_recipes
+from lowbit.app.cli import main
 
 DOWN = "model.layers.1.mlp.down_proj.weight"  # (hidden 128, intermediate 256) in the tiny llama
 SETS = [f"--set={s}" for s in SMALL_RUN]
 SETS_EVAL = [s for s in SMALL_RUN if s.startswith("evaluate.")]
-CLI = "import sys; from lowbit.recipes.cli import main; sys.exit(main(sys.argv[1:]))"
+CLI = "import sys; from lowbit.app.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def error_line(stderr: str) -> str:

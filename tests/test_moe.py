@@ -15,7 +15,7 @@ from tiny_moe import EXPERTS, MOE_TYPES, expert_layers, experts_at, moe_config, 
 from lowbit.calibrate.arch import arch_for, target_linears
 from lowbit.calibrate.experts import (HUB_FUSED, PER_EXPERT_WHEN_QUANTIZED, ExpertLinears, module_name, stored_name,
                                       unfuse_experts)
-from lowbit.recipes.cli import main
+from lowbit.app.cli import main
 
 RUN_SETS = [f"--set={s}" for s in SMALL_RUN]
 # per decoder layer with experts: routed experts' projections; plus attention (and dense/shared MLPs)
@@ -419,7 +419,7 @@ def test_a_streamed_gptq_layer_holds_an_expert_only_while_it_runs_or_is_solved(s
     """The layer loads with its experts on meta; a forward reads each expert for its own run only;
     a solve's fetch reads the linears named; settle reads the rest, and the layer is whole again."""
     from lowbit.calibrate.streaming import ShardedWeights, empty_model
-    from lowbit.recipes.streamed import StreamedLayers
+    from lowbit.app.streamed import StreamedLayers
 
     folder = sources["qwen3_moe"]
     model = empty_model(folder)

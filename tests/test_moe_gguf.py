@@ -14,7 +14,7 @@ from test_moe import expected_linears, lowbit_logits
 from tiny_models import SMALL_RUN
 from tiny_moe import EXPERTS, expert_layers, save_tiny_moe
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
-from lowbit.recipes.cli import main
+from lowbit.app.cli import main
 
 RUN_SETS = [f"--set={s}" for s in SMALL_RUN]
 # transformers' GGUF reader takes no expert widths from the file (its key table has none), so the tiny

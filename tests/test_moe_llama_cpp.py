@@ -17,7 +17,7 @@ import torch
 from tiny_models import SMALL_RUN
 from tiny_moe import save_tiny_moe
 from lowbit.calibrate.data import load_text
-from lowbit.recipes.cli import main
+from lowbit.app.cli import main
 
 _spec = importlib.util.spec_from_file_location("llama_cpp_tools",
                                                Path(__file__).parents[1] / "bench" / "llama_cpp_tools.py")

@@ -11,7 +11,7 @@ import torch
 from tiny_models import save_tiny_llama
 from lowbit.calibrate.offload import DiskTensors, Offload, resolve_offload
 from lowbit.calibrate.walker import walk
-from lowbit.recipes.cli import main
+from lowbit.app.cli import main
 
 QUICK = ["calibration.samples=6", "calibration.seq_len=64", "evaluate.baseline=false",
          "evaluate.kl.enabled=false", "evaluate.memory.measure_peak=false", "evaluate.perplexity.max_tokens=256",

@@ -15,8 +15,8 @@ from faults import start_run_at_results_stage
 from model_folders import looks_like_checkpoint
 from tiny_models import SMALL_RUN, save_tiny_llama
 from lowbit.export.output_folder import NAME_BYTES
-from lowbit.recipes.cli import main
-from lowbit.recipes.resume import resume_dir
+from lowbit.app.cli import main
+from lowbit.app.resume import resume_dir
 
 SMALL = [f"--set={item}" for item in SMALL_RUN]
 
@@ -197,7 +197,7 @@ def test_missing_lm_eval_is_refused_before_calibrating(tiny, tmp_path):
     """lm-eval made unimportable in a second process (as Python marks a blocked import)."""
     out = tmp_path / "out"
     script = ("import sys; sys.modules['lm_eval'] = None\n"
-              "from lowbit.recipes.cli import main; sys.exit(main(sys.argv[1:]))")
+              "from lowbit.app.cli import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", script, *run_args(tiny, out, "--set",
                            "evaluate.lm_eval.tasks=[lowbit_wiki_cloze]")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env=os.environ)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ["calibrate", "quantize", "export", "evaluate", "recipes"]
+SUBPACKAGES = ["calibrate", "quantize", "export", "evaluate", "recipes", "app"]
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from lowbit.quantize.grids.gguf_plan import GGUFTypes, fallback_type, linear_typ
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 from lowbit.quantize.steps import gptq, rtn
 from lowbit.quantize.steps.context import StepContext
-from lowbit.recipes.audit import audit_run
 from lowbit.recipes.schema import parse_recipe
+from lowbit.app.audit import audit_run
 
 
 def _model(layers=8, hidden=256, intermediate=512, seed=0):

@@ -86,7 +86,7 @@ def test_awq_refuses_a_format_per_linear(tmp_path):
 def test_the_audit_checks_each_linear_against_its_planned_format(tmp_path):
     import yaml
 
-    from lowbit.recipes.audit import audit_checkpoint
+    from lowbit.app.audit import audit_checkpoint
 
     code, out = run_on_tiny_llama(tmp_path, {"scheme": {"formats": PLAN, "default": "int4_g64"}, "steps": [{"rtn": {}}]})
     assert code == 0 and audit_checkpoint(out).passed

@@ -9,8 +9,8 @@ from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
 from lowbit.quantize.steps.rtn_mse import RTNMSEConfig, quantize_mse
-from lowbit.recipes.audit import audit_run
 from lowbit.recipes.schema import parse_recipe
+from lowbit.app.audit import audit_run
 
 G64 = IntScheme(4, True, "group", 64)
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from lowbit.calibrate.messages import short_repr
-from lowbit.recipes.cli import main
 from lowbit.recipes.schema import load_recipe
 from lowbit.recipes.validate import RecipeError
+from lowbit.app.cli import main
 
 CHILD = Path(__file__).with_name("recipe_fuzz_child.py")
 FUZZ_EXAMPLES = 500

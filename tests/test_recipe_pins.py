@@ -29,8 +29,8 @@ import torch
 
 from tiny_models import save_tiny_llama
 from lowbit.calibrate.hardware import cpu_flags, cpu_info
-from lowbit.recipes.cli import main
 from lowbit.recipes.schema import shipped_recipes
+from lowbit.app.cli import main
 
 PINS = Path(__file__).with_name("recipe_pins.json")
 RECORD = os.environ.get("LOWBIT_RECORD_PINS") == "1"

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from lowbit.recipes.cli import main
-from lowbit.recipes.commands import _evaluate_config
 from lowbit.recipes.validate import RecipeError
+from lowbit.app.cli import main
+from lowbit.app.commands import _evaluate_config
 
 
 def test_report_command_writes_html_and_md(tmp_path, capsys):

@@ -8,10 +8,10 @@ import pytest
 from gguf import GGUFReader
 
 from tiny_models import save_tiny_llama
-from lowbit.recipes.cli import main
-from lowbit.recipes.fit import parse_size
+from lowbit.recipes.fit_config import parse_size
 from lowbit.recipes.schema import load_recipe
 from lowbit.recipes.validate import RecipeError
+from lowbit.app.cli import main
 
 SMALL_FIT = ["--samples", "2", "--seq-len", "32", "--overhead", "0MiB"]  # tiny models: no runtime overhead
 SMALL_RUN = ["calibration.samples=2", "calibration.seq_len=32", "evaluate.baseline=false",
@@ -180,7 +180,8 @@ def test_a_recipe_with_a_budget_plans_then_runs_the_plan(deep_model_dir, tmp_pat
 
 def test_a_model_with_sliding_window_layers_keeps_a_16_bit_cache_in_its_plans(capsys):
     from tiny_models import make_tiny_model
-    from lowbit.recipes.fit_plan import FitConfig, kv_kinds
+    from lowbit.app.fit_checks import kv_kinds
+    from lowbit.recipes.fit_config import FitConfig
 
     budget = FitConfig(memory="1GB", context=4096)
     assert kv_kinds(make_tiny_model("llama"), budget) == ["f16", "fp8", "int4", "int8"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tiny_models import save_tiny_llama
-from lowbit.recipes.cli import main
+from lowbit.app.cli import main
 
 SMALL_FIT = ["--samples", "2", "--seq-len", "32", "--overhead", "0MiB"]
 

@@ -3,10 +3,10 @@ import pytest
 import torch
 from tiny_models import save_tiny_llama
 
-from lowbit.recipes import resume
-from lowbit.recipes.cli import main
-from lowbit.recipes.run import run
 from lowbit.recipes.schema import load_recipe
+from lowbit.app import resume
+from lowbit.app.cli import main
+from lowbit.app.run import run
 
 QUICK = ("evaluate.baseline=false", "evaluate.perplexity.max_tokens=256",
          "evaluate.perplexity.context_len=128", "evaluate.perplexity.stride=128",

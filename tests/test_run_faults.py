@@ -14,9 +14,9 @@ from faults import file_size_limit, limit_file_size, start_run_stopping_in_evalu
 from model_folders import leftovers, looks_like_checkpoint
 from tiny_models import save_tiny_llama
 from lowbit.export.manifest import MANIFEST, verify_manifest
-from lowbit.recipes.cli import main
-from lowbit.recipes.lock import lock_path
-from lowbit.recipes.resume import CHECKPOINT, EXPORTED, resume_dir
+from lowbit.app.cli import main
+from lowbit.app.lock import lock_path
+from lowbit.app.resume import CHECKPOINT, EXPORTED, resume_dir
 
 QUICK = ["--set", "evaluate.baseline=false", "--set", "evaluate.kl.enabled=false",
          "--set", "evaluate.perplexity.max_tokens=256", "--set", "evaluate.perplexity.context_len=128",
@@ -114,7 +114,7 @@ def test_write_failure_names_the_file_and_the_limit(tiny_folder, tmp_path):
     out = tmp_path / "out"
     limit = 4 << 20  # above every file but model.safetensors (the 49k-token embedding alone is 12 MiB)
     proc = subprocess.run(
-        [sys.executable, "-m", "lowbit.recipes.cli", "run", "w8a16-rtn", "--model", str(tiny_folder),
+        [sys.executable, "-m", "lowbit.app.cli", "run", "w8a16-rtn", "--model", str(tiny_folder),
          "--output", str(out), *QUICK], capture_output=True, text=True, timeout=300,
         preexec_fn=limit_file_size(limit), cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

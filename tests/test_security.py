@@ -11,9 +11,9 @@ from tiny_models import make_tiny_model
 from lowbit.calibrate.models import load_model
 from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
-from lowbit.recipes.cli import main
 from lowbit.recipes.schema import Recipe, load_recipe, shipped_recipes
 from lowbit.recipes.validate import RecipeError
+from lowbit.app.cli import main
 
 FAST = ["--set", "evaluate.baseline=false", "--set", "evaluate.kl.enabled=false",
         "--set", "evaluate.perplexity.max_tokens=256", "--set", "evaluate.perplexity.context_len=128",

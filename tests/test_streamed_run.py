@@ -20,9 +20,9 @@ from tiny_models import save_tiny_llama
 from lowbit.calibrate.arch import arch_for, decoder_layers
 from lowbit.calibrate.streaming import is_resident
 from lowbit.export.safetensors_join import join_safetensors
-from lowbit.recipes import resume
-from lowbit.recipes.cli import main
-from lowbit.recipes.streamed import StreamedLayers, load_skeleton
+from lowbit.app import resume
+from lowbit.app.cli import main
+from lowbit.app.streamed import StreamedLayers, load_skeleton
 
 QUICK = ["calibration.samples=4", "calibration.seq_len=64", "evaluate.baseline=false",
          "evaluate.kl.enabled=false", "evaluate.memory.measure_peak=false", "evaluate.perplexity.max_tokens=256",
@@ -122,7 +122,7 @@ def test_a_streamed_walk_holds_one_layer(tmp_path, tiny_tokenizer_dir):
 def test_streamed_run_never_loads_the_model(tiny, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from lowbit.recipes import run
+    from lowbit.app import run
 
     def refuse(*args, **kwargs):
         raise AssertionError("a streamed run loaded the whole model")
@@ -146,8 +146,8 @@ def test_streamed_run_never_loads_the_model(tiny, tmp_path, monkeypatch):
 # kills it there for real (SIGKILL), as a crash or an out-of-memory kill would
 STOPS_AFTER_A_LAYER = """
 import sys, time
-from lowbit.recipes import resume
-from lowbit.recipes.cli import main
+from lowbit.app import resume
+from lowbit.app.cli import main
 
 save = resume.StepLayers.save
 def announce(self, index, *args):
@@ -200,7 +200,7 @@ def test_streaming_needs_a_local_folder(tmp_path, capsys):
 
 
 def test_auto_streams_only_what_does_not_fit(tiny, monkeypatch):
-    from lowbit.recipes import streamed
+    from lowbit.app import streamed
     from lowbit.recipes.schema import load_recipe
 
     recipe = load_recipe("w4a16-rtn", (f"model={tiny}",))

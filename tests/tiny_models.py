@@ -66,7 +66,7 @@ def run_on_tiny_llama(folder, recipe: dict, seed: int = 1) -> tuple:
     import json
     from pathlib import Path
 
-    from lowbit.recipes.cli import main
+    from lowbit.app.cli import main
 
     folder = Path(folder)
     model_dir = save_tiny_llama(folder / "tiny", seed=seed)

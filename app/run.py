@@ -34,16 +34,16 @@ from lowbit.export.output_folder import check_apart, check_output_dir, check_out
 from lowbit.export.streamed import save_streamed
 from lowbit.export.manifest import write_text_atomic
 from lowbit.export.model_card import write_model_card
-from lowbit.recipes.gguf_defaults import export_config
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.audit import damping_notes, fallback_notes
+from lowbit.recipes.gguf_defaults import export_config
+from lowbit.recipes.schema import Recipe
 
 from .audit import audit_run, expected_schemes
 from .lock import output_lock
 from .preflight import preflight, preflight_settings
 from .fit_recipe import resolve_fit
 from .resume import RunProgress
-from .schema import Recipe
 from .stepping import apply_step, rank_samples, timer
 from .streamed import PortionAudit, apply_steps_streamed, load_skeleton, streaming_folder
 

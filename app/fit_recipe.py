@@ -9,9 +9,9 @@ import sys
 import torch
 
 from lowbit.calibrate.models import load_model
+from lowbit.recipes.schema import Recipe, parse_recipe
 
 from .fit_plan import fit, plan_recipe
-from .schema import Recipe, parse_recipe
 
 
 def resolve_fit(recipe: Recipe) -> Recipe:

@@ -6,8 +6,7 @@ from lowbit.calibrate.checks import check_finite_weights
 from lowbit.evaluate.perplexity import bos_id
 from lowbit.export.formats.gguf.names import arch_of, stacked_name
 from lowbit.quantize.targets import is_ignored, slots
-
-from .gguf_defaults import recipe_plan
+from lowbit.recipes.gguf_defaults import recipe_plan
 
 
 def preflight(recipe, model, tokenizer) -> None:

@@ -9,9 +9,8 @@ from lowbit.evaluate.report import write_report
 from lowbit.evaluate.report_data import load_runs
 from lowbit.export.manifest import MANIFEST, write_text_atomic
 from lowbit.export.output_folder import check_apart, check_output_name
-
-from .schema import load_recipe, parse_yaml
-from .validate import RecipeError, build
+from lowbit.recipes.schema import load_recipe, parse_yaml
+from lowbit.recipes.validate import RecipeError, build
 
 
 def cmd_report(args) -> int:
@@ -164,7 +163,7 @@ def _evaluate_config(items: list[str]):
     """EvaluateConfig from --set evaluate.KEY=VALUE items, validated like a recipe's."""
     from lowbit.evaluate.config import EvaluateConfig
 
-    from .schema import apply_override
+    from lowbit.recipes.schema import apply_override
 
     data: dict = {}
     for item in items:

@@ -2,40 +2,20 @@
 hours on a large one): the KV formats that apply to the model, and a budget that holds the
 cheapest plan lowbit could make, every decoder-layer linear at its smallest candidate format
 (with a memory budget: beside the smallest KV cache, at the smallest prefill chunk). A budget
-below it is refused in one line that says both in bits per weight. Also the sizes a memory
-budget is written in, and how one KV format splits a memory budget.
+below it is refused in one line that says both in bits per weight. Also how one KV format splits a
+memory budget (the sizes it is written in: recipes/fit_config.py).
 """
 from __future__ import annotations
 
-import math
-import re
 import sys
 
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from lowbit.calibrate.messages import short_repr
 from lowbit.evaluate import sensitivity
 from lowbit.evaluate.memory import ModelShape, kv_cache_bytes, prefill_workspace_bytes
 from lowbit.quantize.grids.gguf_plan import F16
 
-SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B)\s*$", re.IGNORECASE)
-SIZE_UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 MIB = 2**20
-
-
-def parse_size(text: str) -> int:
-    match = SIZE.match(text) if isinstance(text, str) else None
-    number = _number(match.group(1)) if match else math.nan
-    if not math.isfinite(number):  # no number, "1.2.3", or so many digits that float() says inf
-        raise ValueError(f"memory {short_repr(text)}: give a size such as 8GB, 256MB or 7.5GiB")
-    return int(number * SIZE_UNITS[match.group(2).lower()])
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        return math.nan
 
 
 def kv_kinds(model, cfg) -> list[str]:

@@ -13,8 +13,7 @@ from lowbit.calibrate.distributed import SHARE_UNIT, sample_share, world
 from lowbit.calibrate.experts import calibrating
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
-
-from .schema import Recipe
+from lowbit.recipes.schema import Recipe
 
 
 def timer(seconds: dict):

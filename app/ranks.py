@@ -39,7 +39,7 @@ def relaunch(argv: list[str], nproc: int, script: Optional[str] = None) -> int:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     # the cores split between the ranks (torchrun would give each one thread)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    entry = [script] if script else ["-m", "lowbit.recipes.cli"]
+    entry = [script] if script else ["-m", "lowbit.app.cli"]
     try:
         run(parse_args(["--standalone", f"--nproc-per-node={nproc}", *entry, *without_nproc(argv)]))
     except ChildFailedError as err:

@@ -12,10 +12,10 @@ from lowbit.export.config import DTYPES, GGUF_TYPES
 from lowbit.export.formats.registry import FORMATS
 
 from lowbit.calibrate.distributed import PeerFailure
+from lowbit.recipes.schema import load_recipe, shipped_recipes
+from lowbit.recipes.validate import RecipeError
 
 from .ranks import PEER_EXIT, as_rank, error_prefix, error_stream, launched, relaunch, report_crash
-from .schema import load_recipe, shipped_recipes
-from .validate import RecipeError
 
 
 MESSAGE_CHARS = 4000  # an error line's length at most (values in it are shortened where they are quoted)

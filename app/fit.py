@@ -1,5 +1,5 @@
 """`lowbit fit MODEL`: a format per decoder-layer linear and a KV-cache format, chosen together from
-measured sensitivity to fit a budget (recipes/fit_plan.py), printed as a table per layer and
+measured sensitivity to fit a budget (app/fit_plan.py), printed as a table per layer and
 written as a recipe that `lowbit run` quantizes, audits and exports in one checkpoint:
 compressed-tensors with a config group per integer format (for vLLM and transformers), or one
 GGUF file with a GGML type per tensor (for llama.cpp).
@@ -14,8 +14,9 @@ import yaml
 
 from lowbit.calibrate.models import load_model
 from lowbit.export.manifest import write_text_atomic
+from lowbit.recipes.fit_config import FitConfig
 
-from .fit_plan import FitConfig, FitResult, fit, parse_size, plan_recipe  # noqa: F401  (parse_size re-exported)
+from .fit_plan import FitResult, fit, plan_recipe
 
 
 def add_parser(sub) -> None:

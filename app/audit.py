@@ -25,9 +25,9 @@ from lowbit.quantize.audit import AuditReport, audit_model, damping_notes, fallb
 from lowbit.quantize.runtime.modules import is_quantized_linear
 from lowbit.quantize.grids.kv import KVCacheConfig
 from lowbit.quantize.targets import listed_targets, slots
+from lowbit.recipes.schema import Recipe, parse_recipe
 
 from .checkpoint_files import RECIPE_FILE, config_disagreements, file_integrity, read_config
-from .schema import Recipe, parse_recipe
 
 RESULTS_FILE = "results.json"
 

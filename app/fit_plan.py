@@ -13,95 +13,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import sys
 from dataclasses import dataclass, field
-from typing import Literal, Optional
 
 import torch
 
 from lowbit.calibrate.arch import arch_for, linear_weight, target_linears
 from lowbit.calibrate.cache import cache_dir
-from lowbit.calibrate.data import CalibrationConfig, calibration_batches
-from lowbit.calibrate.messages import short_repr
+from lowbit.calibrate.data import calibration_batches
 from lowbit.evaluate import sensitivity
 from lowbit.evaluate.allocation import Plan, allocate, smallest_bytes
 from lowbit.evaluate.memory import ModelShape
 from lowbit.export.manifest import write_text_atomic
-from lowbit.quantize.grids.gguf import LAYOUTS
 from lowbit.quantize.grids.gguf_plan import F16, GGUFTypes, embedding_type, output_type
-from lowbit.quantize.grids.int_plan import int_format
+from lowbit.recipes.fit_config import FitConfig, parse_size
 
-from .fit_checks import check_bits_budget, check_memory_budget, kv_entry, kv_kinds, parse_size
+from .fit_checks import check_bits_budget, check_memory_budget, kv_entry, kv_kinds
 
 BASE_FILE_TYPE = "q4_k_m"  # the GGUF file type whose rules give the embedding and output their types
 CACHE_VERSION = "kl-v2"  # bump when the measurement changes
-WEIGHT_CANDIDATES = {"compressed-tensors": sensitivity.INT_CANDIDATES, "gguf": sensitivity.CANDIDATES}
-
-
-@dataclass(frozen=True)
-class FitConfig:
-    """A budget and how to measure for it (the recipe's `fit:` key, and `lowbit fit`'s flags)."""
-
-    format: Literal["compressed-tensors", "gguf"] = "compressed-tensors"  # what the plan is written as
-    bits_per_weight: Optional[float] = None  # over the decoder-layer linears; or memory:
-    memory: Optional[str] = None  # e.g. 8GB, 7.5GiB: weights + KV cache + prefill workspace
-    context: int = 4096  # tokens per sequence (with memory)
-    batch: int = 1  # sequences at once (with memory)
-    # prompt tokens per forward (vLLM's chunked prefill, llama.cpp's ubatch); None: the largest of
-    # 512, 256, 128 at which a plan fits (smaller chunks prefill slower, in less memory)
-    prefill_chunk: Optional[int] = None
-    # the runtime's memory beyond its tensors and workspace (code pages, allocator pools, module
-    # objects): lowbit's lean CPU runtime measured 38 MiB on smollm2-135m; a GPU runtime needs more
-    # (CUDA context, graphs: set it, e.g. 1GiB for vLLM)
-    overhead: str = "40MiB"
-    types: tuple[str, ...] = ()  # candidate weight formats; () = the format's defaults
-    kv_formats: tuple[str, ...] = ()  # candidate KV formats (memory budgets); () = all the format writes
-    dataset: str = "wiki"
-    samples: int = 2
-    seq_len: int = 256
-
-    def __post_init__(self):
-        if (self.bits_per_weight is None) == (self.memory is None):
-            raise ValueError("give one budget: bits_per_weight, or memory (with context and batch)")
-        if self.bits_per_weight is not None and not (math.isfinite(self.bits_per_weight) and self.bits_per_weight > 0):
-            raise ValueError(f"bits_per_weight must be a positive number, got {self.bits_per_weight}")
-        if self.memory is not None and parse_size(self.memory) <= 0:
-            raise ValueError(f"memory must be positive, got {short_repr(self.memory)}")
-        parse_size(self.overhead)
-        if min(self.context, self.batch, self.prefill_chunk or 1, self.samples, self.seq_len) < 1:
-            raise ValueError("context, batch, prefill_chunk, samples and seq_len must be positive")
-        for kind in self.weight_candidates:
-            _check_weight_format(kind, self.format)
-        bad = [k for k in self.kv_candidates if k not in sensitivity.KV_CANDIDATES]
-        if bad:
-            raise ValueError(f"kv_formats {bad}: valid {', '.join(sensitivity.KV_CANDIDATES)}")
-        if self.format == "gguf" and set(self.kv_candidates) != {F16}:
-            raise ValueError("the GGUF export keeps a 16-bit KV cache (llama.cpp sets its cache type at "
-                             "load time); kv_formats other than f16 need format: compressed-tensors")
-
-    @property
-    def weight_candidates(self) -> tuple[str, ...]:
-        return self.types or WEIGHT_CANDIDATES[self.format]
-
-    @property
-    def kv_candidates(self) -> tuple[str, ...]:
-        if self.kv_formats:
-            return self.kv_formats
-        return sensitivity.KV_CANDIDATES if self.format == "compressed-tensors" and self.memory else (F16,)
-
-    @property
-    def calibration(self) -> CalibrationConfig:
-        return CalibrationConfig(self.dataset, self.samples, self.seq_len)
-
-
-def _check_weight_format(kind: str, fmt: str) -> None:
-    if fmt == "gguf":
-        if kind not in LAYOUTS and kind != F16:
-            raise ValueError(f"types: {short_repr(kind)} is not a GGML type; "
-                             f"valid: {', '.join(sorted(LAYOUTS))}, {F16}")
-        return
-    int_format(kind)  # raises naming the valid forms
 
 
 @dataclass

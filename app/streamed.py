@@ -1,7 +1,7 @@
 """Streamed runs: the model is never resident. A skeleton without weights holds the structure; each
 step walks the decoder layers, loading each from the newest step folder of the resume directory
 that finished it (else from the model's safetensors shards), and saves it there once done
-(recipes/resume.py's StepLayers: those files are the run's state, so --resume continues streamed
+(app/resume.py's StepLayers: those files are the run's state, so --resume continues streamed
 runs too); the export then joins the last step's layers into the checkpoint (export/streamed.py).
 
 Memory: one decoder layer in the calibration dtype (float32) plus what the step keeps for it
@@ -41,9 +41,9 @@ from lowbit.quantize.audit import AuditReport, audit_model
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
 from lowbit.quantize.steps.spec import LAYERS, MODEL, WALK
+from lowbit.recipes.schema import Recipe
 
 from .resume import StepLayers, load_layer
-from .schema import Recipe
 
 CALIBRATION_DTYPE = torch.float32  # as the resident load (models.DEFAULT_DTYPE): same figures
 FIT_FRACTION = 0.8  # auto streams when the float32 model would take more of the free memory

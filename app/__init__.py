@@ -1,0 +1,1 @@
+"""The application: the `lowbit` command line and what it drives (run(), resume, ranks, fit, the audit)."""
