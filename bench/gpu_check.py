@@ -6,7 +6,7 @@
     python bench/gpu_check.py --table gpu_check.json     # the decode table as markdown
 
 Sections, each recorded even when another fails (the exit code is 1 if any did):
-  environment   torch / transformers / triton versions, the device
+  environment   date, commit, CPU; torch / transformers / triton versions, the device
   cuda_tests    pytest of the runtime-kernel test files (every CUDA test; --dry-run only collects)
   kernels       each weight-only kernel against its reference path at Llama-3-8B linear shapes
   decode        one decode step through 32 Llama-3-8B-shaped decoder layers' linears (q/k/v and
@@ -48,6 +48,7 @@ from lowbit.quantize.runtime.qlinear import QuantLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_glue import Glue  # noqa: E402
+from results_tables import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_8B = dict(hidden=4096, intermediate=14336, kv=1024, layers=32)
@@ -102,8 +103,8 @@ def random_weight(out: int, inp: int, device, gen) -> torch.Tensor:
 def environment(args, device) -> dict:
     import transformers
 
-    found = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-             "device": str(device), "dry_run": args.dry_run}
+    found = {**provenance(), "python": platform.python_version(), "torch": torch.__version__,
+             "transformers": transformers.__version__, "device": str(device), "dry_run": args.dry_run}
     try:
         import triton
 

@@ -18,6 +18,8 @@ and the streamed run must share.
 `--moe` builds Qwen3-MoE models at Qwen3-30B-A3B widths instead (hidden 2048, 128 experts of
 inner width 768, top-8, 151,936-token vocabulary): a decoder layer holds 0.6 B expert parameters
 (2.4 GB in float32), every expert calibrated (calibration.moe: all_experts).
+`--json` ends the output with one JSON line: the command, its date, commit, CPU and GPU, and the rows
+(what docs/results/ keeps and bench/results_tables.py renders).
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_tables import provenance  # noqa: E402
 
 LLAMA3_8B = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
 QWEN3_30B_A3B = dict(hidden=2048, intermediate=6144, heads=32, kv_heads=4, vocab=151936, experts=128,
@@ -162,6 +167,11 @@ def describe(row: dict) -> str:
     return head + f"  {row['seconds'] / row['layers']:6.1f} s/layer{gpu}  sha256 {row['model_safetensors_sha256']}"
 
 
+def record(argv: list[str], rows: list[dict]) -> dict:
+    """The --json output: how it was run, when, at which commit and on what machine, then the rows."""
+    return {"command": " ".join(["python bench/scale.py", *argv]), **provenance(), "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4])
@@ -192,8 +202,7 @@ def main() -> None:
                 rows.append(row)
                 print(describe(row), flush=True)
     if args.json:
-        for row in rows:
-            print(json.dumps(row))
+        print(json.dumps(record(sys.argv[1:], rows)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,321 @@
+"""Markdown tables of the measured results in docs/results/*.json, one file per kind of result.
+
+    python bench/results_tables.py            # rewrite docs/results/<kind>.md from every docs/results/*.json
+    python bench/results_tables.py --check    # exit 1 if a written table is not what the JSON files give
+    python bench/results_tables.py A.json B.json --out-dir DIR
+
+Measured figures live in these generated tables, never typed by hand into the docs. Each JSON file's
+kind is recognised by its contents (KINDS: a new kind is a recogniser, a renderer and one line); a file of
+no known kind is an error. Each source file's date, commit, CPU and GPU are shown as the file records
+them, "not recorded" where it does not. provenance() is what a bench script records so that they are.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+NOT_RECORDED = "not recorded"
+PROVENANCE = (("date", "date"), ("commit", "commit"), ("cpu", "CPU"), ("gpu", "GPU"))
+GPU_CHECK_SECTIONS = ("environment", "kernels", "decode", "cuda_tests", "calibration")
+
+
+# ---------------------------------------------------------------- what a bench script records
+
+
+def provenance() -> dict:
+    """Date, commit, CPU and GPU of this run, each only where it can be found out (never guessed)."""
+    found = {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), "commit": git_commit(),
+             "cpu": cpu_description(), "gpu": gpu_names()}
+    return {key: value for key, value in found.items() if value}
+
+
+def git_commit() -> str | None:
+    """HEAD's short hash, marked when the working tree differs from it (a measurement of uncommitted code)."""
+    def git(*args):
+        env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read only: never touch the index
+        return subprocess.run(["git", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return None
+        changed = git("diff", "--quiet", "HEAD", "--").returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + (" with uncommitted changes" if changed else "")
+
+
+def cpu_description() -> str:
+    """'<model>, <n> cores, <memory> GiB': what decides a CPU figure."""
+    parts = [cpu_model(), f"{usable_cores()} cores"]
+    memory = total_memory_gib()
+    if memory:
+        parts.append(f"{memory:.0f} GiB")
+    return ", ".join(parts)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container's or taskset's share), not the host's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def total_memory_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        return None
+    return None
+
+
+def gpu_names() -> str | None:
+    """nvidia-smi's names, without importing torch or starting CUDA in the recording process."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = [line.strip() for line in done.stdout.splitlines() if line.strip()]
+    return ", ".join(names) if done.returncode == 0 and names else None
+
+
+# ---------------------------------------------------------------- shared markdown pieces
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows), ""]
+
+
+def recorded(record: dict, key: str) -> str:
+    """A provenance field from the top level or the environment section; absent or null is 'not recorded'."""
+    value = record.get(key, (record.get("environment") or {}).get(key))
+    return NOT_RECORDED if value in (None, "") else str(value)
+
+
+def provenance_lines(record: dict) -> list[str]:
+    lines = [f"- {label}: {recorded(record, key)}" for key, label in PROVENANCE]
+    lines += [f"- {key}: {record[key]}" for key in ("command", "note") if record.get(key)]
+    return lines + [""]
+
+
+def number(value, digits: int) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+# ---------------------------------------------------------------- gpu_check (bench/gpu_check.py)
+
+
+def is_gpu_check(record: dict) -> bool:
+    return any(isinstance(record.get(name), dict) for name in GPU_CHECK_SECTIONS)
+
+
+def gpu_check_section(record: dict) -> list[str]:
+    env = record.get("environment") or {}
+    versions = ", ".join(f"{name} {env[name]}" for name in ("python", "torch", "transformers", "triton") if name in env)
+    lines = provenance_lines(record) + [f"Software: {versions or NOT_RECORDED}.", ""]
+    lines += table(["section", "passed", "seconds"],
+                   [[name, str(record[name].get("passed", True)), number(record[name].get("seconds"), 1)]
+                    for name in GPU_CHECK_SECTIONS if name in record])
+    for name, render in (("kernels", kernels_table), ("decode", decode_tables), ("cuda_tests", cuda_tests_lines),
+                         ("calibration", calibration_table)):
+        section = record.get(name) or {}
+        if "error" in section:
+            lines += [f"### {name}", "", f"Failed: `{section['error'].strip().splitlines()[-1]}`", ""]
+        elif section:
+            lines += [f"### {name}", "", *render(section)]
+    return lines
+
+
+def kernels_table(section: dict) -> list[str]:
+    """Each kernel's largest error against its reference path, relative to the largest output."""
+    return table(["variant", "shape", "batch", "runs", "max rel error", "passed"],
+                 [[r["variant"], r["shape"], str(r["batch"]), r["runs"], f"{r['max_rel_error']:.2%}", str(r["passed"])]
+                  for r in section.get("rows", [])])
+
+
+def decode_tables(section: dict) -> list[str]:
+    """Per element-wise mode, one row per variant: step time, speed against bf16, share of read bandwidth."""
+    dims = section.get("dims") or {}
+    lines = [("Decoder layers' linears: " + ", ".join(f"{k} {v}" for k, v in dims.items()) + ".") if dims else
+             f"Decoder layers' linears: {NOT_RECORDED}.", ""]
+    rows = section.get("rows", [])
+    for glue in dict.fromkeys(r.get("glue") for r in rows):
+        picked = [r for r in rows if r.get("glue") == glue]
+        bandwidth = statistics.median(r["read_bandwidth_gbs"] for r in picked)
+        lines += [f"Element-wise work {glue or NOT_RECORDED}; read bandwidth {bandwidth:.0f} GB/s "
+                  "(median of the batches' probes).", ""]
+        lines += decode_table(picked)
+    return lines
+
+
+def decode_table(rows: list[dict]) -> list[str]:
+    batches = sorted({r["batch"] for r in rows})
+    body = []
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        mine = {r["batch"]: r for r in rows if r["variant"] == variant}
+        kernel = ", ".join(next(iter(mine.values()))["runs"])
+        body.append([variant, kernel, *(decode_cell(mine.get(b)) for b in batches)])
+    return table(["variant", "kernel", *(f"batch {b}: ms, × bf16, of bandwidth" for b in batches)], body)
+
+
+def decode_cell(row: dict | None) -> str:
+    if row is None:
+        return "—"
+    reference = "" if row.get("accepted") in (None, True) else " (reference path)"
+    graph = "" if row.get("cuda_graph", True) else " (no CUDA graph)"
+    return f"{row['step_ms']:.2f}, {row['vs_bf16']:.2f}×, {row['of_bandwidth']:.0%}{reference}{graph}"
+
+
+def cuda_tests_lines(section: dict) -> list[str]:
+    lines = [f"`python {section.get('command', NOT_RECORDED)}`: {section.get('summary') or NOT_RECORDED}", ""]
+    failures = [f"- {failure}" for failure in section.get("failures", [])]
+    return lines + (failures + [""] if failures else [])
+
+
+def calibration_table(section: dict) -> list[str]:
+    """`lowbit run` on the random model: the run's outcome and its (meaningless-in-value) perplexities."""
+    body = []
+    for run in section.get("runs", []):
+        quality = (run.get("results") or {}).get("quality") or {}
+        audit = ((run.get("results") or {}).get("audit") or {}).get("passed")
+        body.append([run["recipe"], str(run["returncode"]), number(run.get("seconds"), 1),
+                     number(quality.get("perplexity"), 3), number(quality.get("baseline_perplexity"), 3),
+                     "—" if audit is None else str(audit)])
+    return table(["recipe", "return code", "seconds", "perplexity", "baseline perplexity", "audit passed"], body)
+
+
+# ---------------------------------------------------------------- scale (bench/scale.py --json)
+
+# (row key, column header, format); a column shows where any row has the key
+SCALE_COLUMNS = (
+    ("model", "model", str), ("task", "task", str), ("mode", "mode", str), ("layers", "decoder layers", str),
+    ("float32_weights_gib", "float32 weights GiB", lambda v: f"{v:.2f}"),
+    ("peak_rss_gib", "peak RSS GiB", lambda v: f"{v:.2f}"), ("peak_gpu_gib", "peak GPU GiB", lambda v: f"{v:.2f}"),
+    ("seconds", "seconds", lambda v: f"{v:.1f}"), ("nll_per_token", "NLL per token", lambda v: f"{v:.6f}"),
+    ("model_safetensors_sha256", "model.safetensors sha256", str), ("change", "change", str),
+)
+
+
+def is_scale(record: dict) -> bool:
+    rows = record.get("rows")
+    return isinstance(rows, list) and bool(rows) and all(isinstance(r, dict) and "float32_weights_gib" in r
+                                                         for r in rows)
+
+
+def scale_section(record: dict) -> list[str]:
+    rows = record["rows"]
+    columns = [c for c in SCALE_COLUMNS if any(r.get(c[0]) is not None for r in rows)]
+    body = [[("—" if r.get(key) is None else fmt(r[key])) for key, _, fmt in columns] for r in rows]
+    return provenance_lines(record) + table([header for _, header, _ in columns], body)
+
+
+# ---------------------------------------------------------------- kinds and files
+
+# kind -> (recognises a record, renders one record's section); the table file is <kind>.md
+KINDS: dict[str, tuple[Callable[[dict], bool], Callable[[dict], list[str]]]] = {
+    "gpu_check": (is_gpu_check, gpu_check_section),
+    "scale": (is_scale, scale_section),
+}
+
+
+def kind_of(path: Path, record) -> str:
+    kinds = [kind for kind, (recognises, _) in KINDS.items() if isinstance(record, dict) and recognises(record)]
+    if len(kinds) != 1:
+        raise ValueError(f"{path}: not one known kind of result ({', '.join(KINDS)})"
+                         + (f"; it looks like {' and '.join(kinds)}" if kinds else ""))
+    return kinds[0]
+
+
+def read_record(path: Path) -> tuple[str, dict]:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
+    return kind_of(path, record), record
+
+
+def json_files(paths: list[Path]) -> list[Path]:
+    """Folders stand for their *.json; sorted by name, so the output does not depend on the order given."""
+    found = [f for p in paths for f in (sorted(p.glob("*.json")) if p.is_dir() else [p])]
+    return sorted(set(found), key=lambda f: (f.name, str(f)))
+
+
+def render_all(paths: list[Path], out_dir: Path) -> dict[Path, str]:
+    """Each kind's table file and its text, from every JSON file in `paths`."""
+    sections: dict[str, list[str]] = {}
+    for path in json_files(paths):
+        kind, record = read_record(path)
+        link = Path(os.path.relpath(path.resolve(), out_dir.resolve())).as_posix()
+        sections.setdefault(kind, []).extend([f"## [{path.name}]({link})", "", *KINDS[kind][1](record)])
+    return {out_dir / f"{kind}.md": "\n".join(page_head(kind) + lines).rstrip("\n") + "\n"
+            for kind, lines in sorted(sections.items())}
+
+
+def page_head(kind: str) -> list[str]:
+    return [f"# Measured results: {kind}", "",
+            "Generated by `python bench/results_tables.py` from the JSON files named below: do not edit by hand,",
+            "rerun the script (`--check` says whether this file is current).", ""]
+
+
+def stale(pages: dict[Path, str]) -> list[Path]:
+    return [path for path, text in pages.items() if not path.is_file() or path.read_text(encoding="utf-8") != text]
+
+
+def shown(path: Path) -> str:
+    """A path as the repository names it where it lies inside it."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("paths", nargs="*", type=Path, help="JSON files or folders (default: docs/results)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where the <kind>.md files go")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table file is stale")
+    args = parser.parse_args(argv)
+    try:
+        pages = render_all(args.paths or [RESULTS], args.out_dir)
+    except (ValueError, OSError) as error:
+        print(f"results_tables: {error}", file=sys.stderr)
+        return 1
+    if args.check:
+        outdated = stale(pages)
+        if outdated:
+            names = ", ".join(shown(path) for path in outdated)
+            print(f"stale: {names} (not what the JSON files give; run python bench/results_tables.py)",
+                  file=sys.stderr)
+        return 1 if outdated else 0
+    for path, text in pages.items():
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {shown(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
