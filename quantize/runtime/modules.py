@@ -5,11 +5,13 @@ from torch import nn
 
 from lowbit.quantize.runtime.fp8_linear import FP8Linear
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
+from lowbit.quantize.runtime.mxfp4_linear import MXFP4Linear
 from lowbit.quantize.runtime.qlinear import QuantLinear
 
-QUANTIZED_LINEARS = (QuantLinear, FP8Linear, GGUFLinear)
+QUANTIZED_LINEARS = (QuantLinear, FP8Linear, MXFP4Linear, GGUFLinear)
 # a rounded weight's FAMILY -> the module that holds it in place of its linear
-BUILDERS = {"int": QuantLinear.from_quantized, "fp8": FP8Linear.weight_only, "gguf": GGUFLinear.from_weight}
+BUILDERS = {"int": QuantLinear.from_quantized, "fp8": FP8Linear.weight_only, "mxfp4": MXFP4Linear.from_weight,
+            "gguf": GGUFLinear.from_weight}
 
 
 def is_quantized_linear(module: nn.Module) -> bool:

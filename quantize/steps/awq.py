@@ -305,7 +305,8 @@ def _clip_rounded(w, gram, grid, name: str, cfg: AWQConfig) -> torch.Tensor:
     return search_clip_rounded(w, gram, grid, name, cfg.max_shrink, cfg.clip_grid)
 
 
-CLIPS = {"int": _clip_int, "fp8": _clip_rounded, "gguf": _clip_rounded}  # a grid's FAMILY -> its clip search
+# a grid's FAMILY -> its clip search
+CLIPS = {"int": _clip_int, "fp8": _clip_rounded, "mxfp4": _clip_rounded, "gguf": _clip_rounded}
 
 
 def apply(ctx: StepContext, cfg: AWQConfig) -> dict:

@@ -365,4 +365,5 @@ def _solve_blocks(Wt: torch.Tensor, U: torch.Tensor, grid, block: int, codes: bo
     return Qt.t(), row_loss
 
 
-SOLVERS = {"int": _solve_int, "fp8": _solve_fixed, "gguf": _solve_gguf}  # a grid's FAMILY -> its GPTQ solver
+# a grid's FAMILY -> its GPTQ solver
+SOLVERS = {"int": _solve_int, "fp8": _solve_fixed, "mxfp4": _solve_fixed, "gguf": _solve_gguf}

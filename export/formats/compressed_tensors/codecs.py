@@ -1,5 +1,5 @@
 """compressed-tensors' layers: `quantization_config`, and each quantized module sent to the codec
-of its scheme family. A codec (int8.py, packed.py, fp8.py) is a module with handles(module),
+of its scheme family. A codec (int8.py, packed.py, fp8.py, mxfp4.py) is a module with handles(module),
 reads(group), scheme_entry(name, module), module_tensors(prefix, module, dtype) and
 build_module(prefix, tensors, group), and for the audit (agreement.py) STORED (the tensor holding
 its weights, its safetensors dtype, what it is), READS (what it reads, in a few words) and
@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from ..hf_folder import native_modules
-from . import fp8, int8, packed
+from . import fp8, int8, mxfp4, packed
 
 QUANT_METHOD = "compressed-tensors"
-CODECS = [int8, packed, fp8]  # first match wins: W8A8 before weight-only
+CODECS = [int8, packed, fp8, mxfp4]  # first match wins: W8A8 before weight-only
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
 
