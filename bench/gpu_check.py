@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lowbit.calibrate.provenance import provenance
 from lowbit.quantize.grids.fp8 import quantize_weight_fp8
 from lowbit.quantize.grids.integer import IntScheme, quantize_rtn
 from lowbit.quantize.runtime import backends
@@ -48,7 +49,6 @@ from lowbit.quantize.runtime.qlinear import QuantLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_glue import Glue  # noqa: E402
-from results_tables import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_8B = dict(hidden=4096, intermediate=14336, kv=1024, layers=32)

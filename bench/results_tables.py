@@ -7,17 +7,14 @@
 Measured figures live in these generated tables, never typed by hand into the docs. Each JSON file's
 kind is recognised by its contents (KINDS: a new kind is a recogniser, a renderer and one line); a file of
 no known kind is an error. Each source file's date, commit, CPU and GPU are shown as the file records
-them, "not recorded" where it does not. provenance() is what a bench script records so that they are.
+them, "not recorded" where it does not (lowbit.calibrate.provenance is what records them).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
@@ -29,79 +26,6 @@ PROVENANCE = (("date", "date"), ("commit", "commit"), ("cpu", "CPU"), ("gpu", "G
 GPU_CHECK_SECTIONS = ("environment", "kernels", "decode", "cuda_tests", "calibration")
 
 
-# ---------------------------------------------------------------- what a bench script records
-
-
-def provenance() -> dict:
-    """Date, commit, CPU and GPU of this run, each only where it can be found out (never guessed)."""
-    found = {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), "commit": git_commit(),
-             "cpu": cpu_description(), "gpu": gpu_names()}
-    return {key: value for key, value in found.items() if value}
-
-
-def git_commit() -> str | None:
-    """HEAD's short hash, marked when the working tree differs from it (a measurement of uncommitted code)."""
-    def git(*args):
-        env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read only: never touch the index
-        return subprocess.run(["git", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
-
-    try:
-        head = git("rev-parse", "--short", "HEAD")
-        if head.returncode != 0:
-            return None
-        changed = git("diff", "--quiet", "HEAD", "--").returncode != 0
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head.stdout.strip() + (" with uncommitted changes" if changed else "")
-
-
-def cpu_description() -> str:
-    """'<model>, <n> cores, <memory> GiB': what decides a CPU figure."""
-    parts = [cpu_model(), f"{usable_cores()} cores"]
-    memory = total_memory_gib()
-    if memory:
-        parts.append(f"{memory:.0f} GiB")
-    return ", ".join(parts)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (a container's or taskset's share), not the host's count."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def total_memory_gib() -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 2**20
-    except OSError:
-        return None
-    return None
-
-
-def gpu_names() -> str | None:
-    """nvidia-smi's names, without importing torch or starting CUDA in the recording process."""
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    names = [line.strip() for line in done.stdout.splitlines() if line.strip()]
-    return ", ".join(names) if done.returncode == 0 and names else None
-
-
 # ---------------------------------------------------------------- shared markdown pieces
 
 
@@ -111,8 +35,9 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def recorded(record: dict, key: str) -> str:
-    """A provenance field from the top level or the environment section; absent or null is 'not recorded'."""
-    value = record.get(key, (record.get("environment") or {}).get(key))
+    """A provenance field from the top level, the environment section (gpu_check) or the measured one
+    (results.json); absent or null is 'not recorded'."""
+    value = record.get(key, (record.get("environment") or record.get("measured") or {}).get(key))
     return NOT_RECORDED if value in (None, "") else str(value)
 
 
@@ -233,12 +158,39 @@ def scale_section(record: dict) -> list[str]:
     return provenance_lines(record) + table([header for _, header, _ in columns], body)
 
 
+# ---------------------------------------------------------------- run (a `lowbit run`'s results.json)
+
+MIB = 2**20
+
+
+def is_run(record: dict) -> bool:
+    return "lowbit_version" in record and isinstance(record.get("quality"), dict)
+
+
+def run_section(record: dict) -> list[str]:
+    """The run's headline: quality against the unquantized model, and the weights' size."""
+    recipe, quality, memory = record.get("recipe") or {}, record["quality"], record.get("memory") or {}
+    kl = quality.get("kl") or {}
+    ppl, base = quality.get("perplexity"), quality.get("baseline_perplexity")
+    change = "—" if ppl is None or not base else f"{ppl / base - 1:+.2%}"
+    weights = memory.get("weight_bytes")
+    lines = provenance_lines(record)
+    if recipe.get("description"):
+        lines += [f"Recipe `{recipe.get('name', NOT_RECORDED)}`: {recipe['description']}.", ""]
+    return lines + table(
+        ["model", "recipe", "perplexity", "unquantized", "change", "KL mean", "top-1", "weights MiB"],
+        [[(record.get("model") or {}).get("reference") or NOT_RECORDED, recipe.get("name", NOT_RECORDED),
+          number(ppl, 3), number(base, 3), change, number(kl.get("kl_mean"), 4), number(kl.get("top1_agreement"), 3),
+          "—" if weights is None else f"{weights / MIB:.1f}"]])
+
+
 # ---------------------------------------------------------------- kinds and files
 
 # kind -> (recognises a record, renders one record's section); the table file is <kind>.md
 KINDS: dict[str, tuple[Callable[[dict], bool], Callable[[dict], list[str]]]] = {
     "gpu_check": (is_gpu_check, gpu_check_section),
     "scale": (is_scale, scale_section),
+    "run": (is_run, run_section),
 }
 
 

@@ -31,8 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_tables import provenance  # noqa: E402
+from lowbit.calibrate.provenance import provenance
 
 LLAMA3_8B = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
 QWEN3_30B_A3B = dict(hidden=2048, intermediate=6144, heads=32, kv_heads=4, vocab=151936, experts=128,

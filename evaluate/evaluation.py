@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from lowbit.calibrate.hardware import cpu_info
+from lowbit.calibrate.provenance import provenance
 
 from .baseline import cached_baseline
 from .config import EvaluateConfig
@@ -63,7 +64,8 @@ def evaluate(target: str | Path, cfg: EvaluateConfig, reference: Optional[Refere
                         dtype=where["dtype"]),  # what evaluation computed in, reference alike
         hardware=cpu_info().to_dict(),
         recipe={"name": f"eval {Path(target).name or target}", "evaluate": plain(cfg)},
-        quality=quality, memory=Memory(weight_bytes=weight_bytes, **memory), speed=speed, baselines=baselines)
+        quality=quality, memory=Memory(weight_bytes=weight_bytes, **memory), speed=speed, baselines=baselines,
+        measured=provenance())
 
 
 def baseline_perplexity(reference: Reference, tokenizer, cfg: EvaluateConfig) -> Optional[float]:

@@ -81,6 +81,8 @@ class Results:
     audit: Optional[dict] = None  # run: the coverage audit before export; eval: None
     speed: Optional[dict] = None  # prefill/decode timings; when evaluate.speed.enabled
     baselines: Optional[dict] = None  # bitsandbytes rows; when evaluate.bnb_baselines
+    # when and where: date, lowbit's commit (a git checkout only), CPU and GPU (calibrate/provenance.py)
+    measured: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         out = {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}

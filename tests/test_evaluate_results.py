@@ -1,6 +1,8 @@
 """results.json has one schema: `lowbit run` and `lowbit eval CHECKPOINT` write the same key tree
 and, for the same checkpoint and protocol, the same figures."""
+import datetime
 import json
+from pathlib import Path
 
 from tiny_models import save_tiny_llama
 
@@ -8,6 +10,7 @@ from lowbit.app.cli import main
 
 QUICK_EVAL = ["--set", "evaluate.perplexity.max_tokens=512", "--set", "evaluate.perplexity.context_len=128",
               "--set", "evaluate.perplexity.stride=128", "--set", "evaluate.kl.max_tokens=256"]
+ROOT = Path(__file__).resolve().parents[1]
 RUN_ONLY = {"timing": {}, "steps": []}  # what eval leaves empty
 SAME_FIGURES = {"quality": ("perplexity", "baseline_perplexity", "dataset", "protocol", "kl"),
                 "memory": ("weight_bytes", "baseline_weight_bytes", "predicted", "fit", "model_max_context",
@@ -40,6 +43,10 @@ def test_run_and_eval_of_its_checkpoint_write_one_schema_and_the_same_figures(tm
         assert key_tree(ran[section]) == key_tree(evaluated[section]), section
     assert {k: evaluated[k] for k in RUN_ONLY} == RUN_ONLY
     assert ran["timing"] and ran["steps"] and ran["audit"]["passed"]
+    for results in (ran, evaluated):  # when and where, as bench/results_tables.py shows beside each figure
+        datetime.date.fromisoformat(results["measured"]["date"])
+        assert "cores" in results["measured"]["cpu"]
+        assert bool(results["measured"].get("commit")) == (ROOT / ".git").exists()
     # eval audits a lowbit checkpoint too: its files, structure and config.json, not the run's steps
     assert evaluated["audit"]["passed"] and evaluated["audit"]["integrity"].startswith("every file matches")
     assert evaluated["audit"]["quantized_share"] == ran["audit"]["quantized_share"] == 1.0
