@@ -70,6 +70,10 @@ def test_rounding_error_is_within_a_scale_and_an_outlier_stays_in_its_block():
 def test_rows_that_do_not_split_into_blocks_of_32_are_refused_by_name():
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj: rows of 48 .* blocks of 32"):
         MXScheme().round(torch.randn(8, 48), "model.layers.0.mlp.down_proj")
+    w = torch.randn(8, 64)
+    w[2, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj: 1 NaN or inf weights"):
+        MXScheme().round(w, "model.layers.0.mlp.up_proj")
     with pytest.raises(ValueError, match=r"'fp6' is not valid; choose one of \['fp4'\]"):
         parse_recipe({"scheme": {"mx": "fp6"}, "steps": ["rtn"]}, "test")
 

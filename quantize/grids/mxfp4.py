@@ -70,8 +70,16 @@ class MXScheme:
     def describe(self, inputs=None) -> str:
         return f"mxfp4 (e2m1, e8m0 scale per {BLOCK})"
 
-    def round(self, w: torch.Tensor, name: str = "weight") -> "MXWeight":
+    def check_weight(self, w: torch.Tensor, name: str) -> None:
+        """Columns that split into blocks, and finite values: a NaN or inf would give its block a
+        meaningless scale and be written as a finite code (a weight invented)."""
         self.check_columns(w.shape[1], name)
+        bad = int((~torch.isfinite(w)).sum())
+        if bad:
+            raise ValueError(f"{name}: {bad} NaN or inf weights; MXFP4 cannot hold them (fix or ignore the layer)")
+
+    def round(self, w: torch.Tensor, name: str = "weight") -> "MXWeight":
+        self.check_weight(w, name)
         exponents = block_exponents(w)
         return MXWeight(e2m1_codes(w.float() / element_scales(exponents)), exponents)
 
@@ -83,7 +91,7 @@ class MXScheme:
         return self.round(w.float(), name).dequantize()
 
     def sweep_view(self, w: torch.Tensor) -> "MXSweepView":
-        self.check_columns(w.shape[1], "weight")
+        self.check_weight(w, "weight")
         return MXSweepView(block_exponents(w))
 
 

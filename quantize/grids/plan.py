@@ -1,6 +1,6 @@
 """The grid protocol, and where a target sits when a plan picks its grid.
 
-A *grid* is one linear's number format (IntScheme, FP8Scheme, GGUFScheme). It says
+A *grid* is one linear's number format (IntScheme, FP8Scheme, MXScheme, GGUFScheme). It says
 - `FAMILY`: its key in the registries (runtime module: quantize/runtime/modules.py; GPTQ solver:
   quantize/steps/gptq_solver.py; AWQ clip search: quantize/steps/awq.py);
 - `takes_inputs(inputs)`: which input quantization it pairs with; `describe(inputs)`;
@@ -9,7 +9,7 @@ A *grid* is one linear's number format (IntScheme, FP8Scheme, GGUFScheme). It sa
   rounded-and-back weight it judges;
 - `stacks_rows()`: whether GPTQ may solve linears that share an input as one matrix of stacked
   rows (no scale spans two of them);
-- `sweep_view(w)`, where GPTQ fixes the scales from w before its sweep (fp8): `per_element` scales
+- `sweep_view(w)`, where GPTQ fixes the scales from w before its sweep (fp8, mxfp4): `per_element` scales
   (rows, cols; stride 0 along columns where every column shares them), `snap(w, scale)` onto the
   grid, and `weight(swept)` from the swept values;
 and its runtime module answers the audit (`holds`, `audit`).

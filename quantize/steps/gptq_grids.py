@@ -16,7 +16,7 @@ from lowbit.quantize.grids.scale_search import search_scale_zero
 
 class FixedElementGrid:
     """Scales per element (rows, cols) in processing order, fixed before GPTQ runs; the grid's view
-    snaps each column under its scales (FP8)."""
+    snaps each column under its scales (FP8, MXFP4)."""
 
     def __init__(self, scale: torch.Tensor, snap):
         self.scale_t, self.snap = scale.t(), snap  # a column's scales: one row here (a view, no copy)
