@@ -177,11 +177,27 @@ def run_section(record: dict) -> list[str]:
     lines = provenance_lines(record)
     if recipe.get("description"):
         lines += [f"Recipe `{recipe.get('name', NOT_RECORDED)}`: {recipe['description']}.", ""]
+    lines += recipe_lines(recipe, (record.get("timing") or {}).get("calibrate_s"))
     return lines + table(
         ["model", "recipe", "perplexity", "unquantized", "change", "KL mean", "top-1", "weights MiB"],
         [[(record.get("model") or {}).get("reference") or NOT_RECORDED, recipe.get("name", NOT_RECORDED),
           number(ppl, 3), number(base, 3), change, number(kl.get("kl_mean"), 4), number(kl.get("top1_agreement"), 3),
           "—" if weights is None else f"{weights / MIB:.1f}"]])
+
+
+def recipe_lines(recipe: dict, calibrated_s) -> list[str]:
+    """What reproduces the run: the scheme, each step with the options it ran with, and the calibration
+    data where the run read any (its timing says so)."""
+    lines = [f"- scheme: `{json.dumps(recipe['scheme'])}`"] if recipe.get("scheme") else []
+    for step in recipe.get("steps") or []:
+        name, options = next(iter(step.items())) if isinstance(step, dict) else (step, {})
+        shown = {k: v for k, v in (options or {}).items() if k != "scheme"}  # the scheme is on its own line
+        lines.append(f"- step `{name}`: `{json.dumps(shown)}`")
+    calibration = recipe.get("calibration") or {}
+    if calibration and calibrated_s:
+        lines.append(f"- calibration: {calibration.get('dataset')}, {calibration.get('samples')} samples of "
+                     f"{calibration.get('seq_len')} tokens")
+    return lines + ([""] if lines else [])
 
 
 # ---------------------------------------------------------------- kinds and files

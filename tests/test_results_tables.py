@@ -119,12 +119,16 @@ def test_gpu_check_environment_records_date_commit_and_machine():
 
 def test_a_run_table_shows_the_runs_figures_and_when_and_where_it_ran(tmp_path):
     record = {"lowbit_version": "0.1.0", "model": {"reference": "smollm2-135m"},
-              "recipe": {"name": "mxfp4-rtn", "description": "MXFP4 weights"},
+              "recipe": {"name": "mxfp4-gptq", "description": "MXFP4 weights", "scheme": {"mx": "fp4"},
+                         "steps": [{"gptq": {"scheme": {"mx": "fp4"}, "dampening_frac": 0.1}}],
+                         "calibration": {"dataset": "wiki", "samples": 128, "seq_len": 512}},
+              "timing": {"calibrate_s": 1.9},
               "quality": {"perplexity": 23.8, "baseline_perplexity": 16.0,
                           "kl": {"kl_mean": 0.39, "top1_agreement": 0.7}},
               "memory": {"weight_bytes": 113 * 2**20},
               "measured": {"date": "2026-12-05", "commit": "abc1234", "cpu": "AMD EPYC, 2 cores, 23 GiB"}}
     (tmp_path / "run-mxfp4.json").write_text(json.dumps(record))
     page = results_tables.render_all([tmp_path], tmp_path)[tmp_path / "run.md"]
-    assert "| smollm2-135m | mxfp4-rtn | 23.800 | 16.000 | +48.75% | 0.3900 | 0.700 | 113.0 |" in page
+    assert "| smollm2-135m | mxfp4-gptq | 23.800 | 16.000 | +48.75% | 0.3900 | 0.700 | 113.0 |" in page
+    assert '- step `gptq`: `{"dampening_frac": 0.1}`' in page and "- calibration: wiki, 128 samples of 512" in page
     assert "- commit: abc1234" in page and "- CPU: AMD EPYC, 2 cores, 23 GiB" in page and "- GPU: not recorded" in page
