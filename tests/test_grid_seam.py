@@ -12,8 +12,9 @@ import torch
 from lowbit.quantize.grids.fp8 import FP8Scheme
 from lowbit.quantize.grids.gguf import GGUFScheme
 from lowbit.quantize.grids.gguf_plan import GGUFTypes
-from lowbit.quantize.grids.int_plan import IntTypes
+from lowbit.quantize.grids.formats import LinearFormats
 from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.mxfp4 import MXScheme
 from lowbit.quantize.grids.plan import Slot
 from lowbit.quantize.runtime.modules import BUILDERS, module_for
 from lowbit.quantize.steps.awq import CLIPS
@@ -62,13 +63,13 @@ def test_the_check_sees_every_spelling():
 
 def test_no_code_outside_grids_branches_on_a_grid_class():
     classes = grid_classes()
-    assert {"IntScheme", "FP8Scheme", "GGUFScheme", "IntTypes", "GGUFTypes", "QuantizedWeight"} <= classes
+    assert {"IntScheme", "FP8Scheme", "MXScheme", "GGUFScheme", "LinearFormats", "GGUFTypes", "QuantizedWeight"} <= classes
     offenders = [f"{path.relative_to(ROOT)}:{line}: {name}" for path in OUTSIDE
                  for line, name in class_branches(path.read_text(encoding="utf-8"), classes)]
     assert offenders == [], "ask the grid (grids/plan.py) instead of testing its class:\n" + "\n".join(offenders)
 
 
-PLANS = [IntScheme(4, True, "group", 32), FP8Scheme(), IntTypes({"down_proj": "int8"}, "int4_g32"),
+PLANS = [IntScheme(4, True, "group", 32), FP8Scheme(), LinearFormats({"down_proj": "int8", "q_proj": "mxfp4"}, "fp8_e4m3"),
          GGUFTypes("q4_k_m")]
 
 
@@ -98,7 +99,8 @@ def test_gguf_plan_keeps_rows_no_block_divides_16_bit_and_records_types():
     assert GGUFTypes("q4_0").record(grids) == {"types": {"model.layers.0.mlp.down_proj": "q4_0"}}
 
 
-@pytest.mark.parametrize("grid", [IntScheme(4, False, "group", 32), GGUFScheme("q4_k")], ids=lambda g: g.FAMILY)
+@pytest.mark.parametrize("grid", [IntScheme(4, False, "group", 32), FP8Scheme(), MXScheme(), GGUFScheme("q4_k")],
+                         ids=lambda g: g.FAMILY)
 def test_each_family_is_in_every_registry_and_its_rounding_builds_its_module(grid):
     assert grid.FAMILY in BUILDERS and grid.FAMILY in SOLVERS and grid.FAMILY in CLIPS
     w = torch.randn(8, 256, generator=torch.Generator().manual_seed(0))

@@ -51,6 +51,13 @@ class FP8Scheme:
     def scales_per_row(self) -> bool:
         return self.strategy != "tensor"
 
+    NAME_FORMS = "fp8_e4m3, fp8_e5m2 (a scale per channel)"
+
+    @classmethod
+    def named(cls, name: str) -> Optional["FP8Scheme"]:
+        fmt = name.removeprefix("fp8_") if name.startswith("fp8_") else None
+        return cls(fmt, "channel") if fmt in FP8_DTYPES else None
+
     def stacks_rows(self) -> bool:
         """Whether linears sharing an input may be solved as one matrix of stacked rows: only when no
         scale spans two of them (a tensor's scale, a block across their boundary would)."""

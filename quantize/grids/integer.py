@@ -5,6 +5,7 @@ Weights are (out_features, in_features); groups run along in_features. A scale o
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -15,6 +16,7 @@ from lowbit.quantize.grids.inputs import InputQuant
 from lowbit.quantize.grids.plan import Assignment, Slot
 
 Strategy = Literal["tensor", "channel", "group"]
+NAME = re.compile(r"^int([2-8])(?:_g(\d+))?$")  # a format name: int<bits>, int<bits>_g<group>
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,17 @@ class IntScheme:
 
     def stacks_rows(self) -> bool:
         return True  # every scale lies within one row: linears sharing an input may be solved stacked
+
+    NAME_FORMS = "int<bits> (per channel, bits 2-8), int<bits>_g<group> (e.g. int4_g128)"
+
+    @classmethod
+    def named(cls, name: str) -> Optional["IntScheme"]:
+        """The symmetric grid a format name stands for (int4_g128, int8), or None: not an integer name."""
+        match = NAME.match(name)
+        if not match:
+            return None
+        bits, group = int(match.group(1)), match.group(2)
+        return cls(bits, True, "channel") if group is None else cls(bits, True, "group", int(group))
 
     def round(self, w: torch.Tensor, name: str = "weight") -> "QuantizedWeight":
         return quantize_rtn(w, self)

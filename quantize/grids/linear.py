@@ -9,17 +9,17 @@ from dataclasses import dataclass
 from typing import Union
 
 from lowbit.calibrate.messages import short_repr
+from lowbit.quantize.grids.formats import LinearFormats
 from lowbit.quantize.grids.fp8 import ActivationMode, FP8Scheme
 from lowbit.quantize.grids.gguf import GGUFScheme
 from lowbit.quantize.grids.gguf_plan import GGUFTypes
 from lowbit.quantize.grids.inputs import InputQuant
-from lowbit.quantize.grids.int_plan import IntTypes
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.mxfp4 import MXScheme
 
 # What a weight step's `scheme:` may name: a grid, or a plan of grids (a llama.cpp file type, a format
 # per linear). A recipe's keys pick the first class whose fields hold them all: order matters.
-PLANS = (IntScheme, FP8Scheme, MXScheme, GGUFTypes, IntTypes)
+PLANS = (IntScheme, FP8Scheme, MXScheme, GGUFTypes, LinearFormats)
 Plan = Union[PLANS]
 WeightGrid = Union[IntScheme, FP8Scheme, MXScheme, GGUFScheme]  # what one linear holds
 

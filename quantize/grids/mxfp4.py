@@ -11,7 +11,7 @@ maximum rounds to 4 or 6 and only values past 6.0 saturate (compressed-tensors' 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 
@@ -63,6 +63,12 @@ class MXScheme:
 
     def stacks_rows(self) -> bool:
         return True  # a scale covers 32 weights of one row
+
+    NAME_FORMS = "mxfp4"
+
+    @classmethod
+    def named(cls, name: str) -> Optional["MXScheme"]:
+        return cls() if name == "mxfp4" else None
 
     def takes_inputs(self, inputs) -> bool:
         return inputs is None  # 16-bit inputs (MXFP4A16)

@@ -32,7 +32,7 @@ from lowbit.quantize.targets import planned_targets, replace_module
 class GPTQConfig:
     # channel or group, not tensor; or FP8 (channel or block: scales fixed from the weight's ranges,
     # each linear solved alone unless per channel); or a llama.cpp file type (GGUFTypes): GPTQ onto
-    # its block grids; or a format per linear (IntTypes): linears sharing an input solved once per format
+    # its block grids; or a format per linear (LinearFormats): linears sharing an input solved once per format
     scheme: Plan = IntScheme(4, True, "group", 128)
     batch_columns: int = 128  # columns per lazy batch update; rounded to a multiple of group_size
     dampening_frac: float = 0.01  # added to H's diagonal, as a fraction of its mean diagonal

@@ -20,7 +20,7 @@ from lowbit.quantize.targets import planned_targets, replace_module
 class RTNConfig:
     # RTN needs nothing beyond the grid itself (integer, or FP8: 16-bit inputs until an fp8 step);
     # a llama.cpp file type (GGUFTypes) rounds as llama.cpp's reference quantizer does; a format
-    # per linear (IntTypes) rounds each to its own
+    # per linear (LinearFormats) rounds each to its own
     scheme: Plan = IntScheme()
 
 

@@ -1,4 +1,4 @@
-"""A format per linear on integer grids (scheme.formats): names, bytes, runs, export and audit."""
+"""A format per linear (scheme.formats): names, bytes, runs, export and audit; integer, FP8 and MXFP4 mixed."""
 from __future__ import annotations
 
 import json
@@ -7,10 +7,11 @@ import pytest
 from safetensors import safe_open
 
 from tiny_models import run_on_tiny_llama
-from lowbit.quantize.grids.int_plan import IntTypes, format_bytes, format_name, int_format
+from lowbit.quantize.grids.formats import LinearFormats, grid_named
+from lowbit.quantize.grids.fp8 import FP8Scheme
+from lowbit.quantize.grids.int_plan import format_bytes, format_name, int_format
+from lowbit.quantize.grids.mxfp4 import MXScheme
 from lowbit.quantize.grids.integer import IntScheme
-from lowbit.recipes.schema import load_recipe
-from lowbit.recipes.validate import RecipeError
 
 PLAN = {"re:.*layers[.]0[.]mlp[.].*": "int8", "v_proj": "f16", "down_proj": "int3_g64", "o_proj": "int4"}
 
@@ -22,7 +23,10 @@ def test_format_names_round_trip_and_bad_names_say_what_is_valid():
     with pytest.raises(ValueError, match=r"int<bits>_g<group>"):
         int_format("int4-g128")
     with pytest.raises(ValueError, match="formats\\['o_proj'\\]"):
-        IntTypes({"o_proj": "q4_0"})
+        LinearFormats({"o_proj": "q4_0"})
+    assert grid_named("fp8_e4m3") == FP8Scheme("e4m3", "channel") and grid_named("mxfp4") == MXScheme()
+    with pytest.raises(ValueError, match=r"'fp8' is not a weight format; valid: int<bits>.*fp8_e4m3.*mxfp4; or f16"):
+        grid_named("fp8")
 
 
 def test_format_bytes_count_packed_codes_and_16_bit_scales():
@@ -33,10 +37,10 @@ def test_format_bytes_count_packed_codes_and_16_bit_scales():
 
 
 def test_first_matching_pattern_wins_then_the_default():
-    types = IntTypes(PLAN, default="int4_g64")
+    types = LinearFormats(PLAN, default="int4_g64")
     assert types.format_of("model.layers.0.mlp.down_proj") == "int8"
     assert types.format_of("model.layers.1.mlp.down_proj") == "int3_g64"
-    assert types.scheme_of("model.layers.1.self_attn.v_proj") is None
+    assert types.grid_of("model.layers.1.self_attn.v_proj") is None
     assert types.format_of("model.layers.1.self_attn.q_proj") == "int4_g64"
 
 
@@ -76,11 +80,28 @@ def test_gptq_format_refuses_a_mixture_naming_the_format_that_takes_it(tmp_path,
     assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
 
 
-def test_awq_refuses_a_format_per_linear(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("scheme: {formats: {o_proj: int8}, default: int4_g64}\nsteps: [awq: {}]\n")
-    with pytest.raises(RecipeError, match="cannot take the recipe's scheme"):
-        load_recipe(str(bad))
+MIXED = {"down_proj": "mxfp4", "o_proj": "fp8_e4m3", "v_proj": "f16"}  # the rest: the default, int4_g32
+MODULES = {"mlp.down_proj": "MXFP4Linear", "self_attn.o_proj": "FP8Linear", "self_attn.q_proj": "QuantLinear"}
+
+
+@pytest.mark.parametrize("steps", [[{"rtn": {}}], [{"gptq": {"true_sequential": False}}],
+                                   [{"awq": {"grid": 4, "clip_grid": 4}}, {"rtn": {}}]], ids=["rtn", "gptq", "awq"])
+def test_integer_fp8_and_mxfp4_linears_mix_in_one_plan_and_one_checkpoint(tmp_path, steps):
+    from export_helpers import load_without_tokenizer
+    from lowbit.app.audit import audit_checkpoint
+
+    code, out = run_on_tiny_llama(tmp_path, {"scheme": {"formats": MIXED, "default": "int4_g32"}, "steps": steps})
+    assert code == 0
+    assert audit_checkpoint(out).passed
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "mixed-precision"
+    assert {g["format"] for g in config["config_groups"].values()} == {"pack-quantized", "float-quantized",
+                                                                       "mxfp4-pack-quantized"}
+    model = load_without_tokenizer(out)
+    model = model[0] if isinstance(model, tuple) else model
+    for name, kind in MODULES.items():
+        assert type(model.get_submodule(f"model.layers.1.{name}")).__name__ == kind, name
+    assert type(model.get_submodule("model.layers.1.self_attn.v_proj")).__name__ == "Linear"
 
 
 def test_the_audit_checks_each_linear_against_its_planned_format(tmp_path):
