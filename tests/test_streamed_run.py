@@ -63,12 +63,15 @@ def test_join_writes_what_save_file_writes(tmp_path):
 
 STATIC_INT8_INPUTS = "steps.1.quantize_inputs.dynamic=false"
 A_FORMAT_PER_LINEAR = "scheme={formats: {down_proj: int3_g64, o_proj: int8, v_proj: f16}, default: int4_g64}"
+MIXED_FAMILIES = "scheme={formats: {down_proj: mxfp4, o_proj: fp8_e4m3, v_proj: f16}, default: int4_g32}"
+FP8_GRID_THEN_STATIC_INPUTS = ["scheme={format: e4m3, strategy: channel}", "steps=[rtn, {fp8: {activations: static}}]"]
 
 
 @pytest.mark.parametrize("recipe, settings", [
     ("w4a16-gptq", []), ("w4a16-rtn", []), ("w4a16-awq-gptq", []), ("w8a8-smoothquant", []),
     ("fp8-dynamic", []), ("fp8-static", []), ("w8a8-int8", []), ("w8a8-int8", [STATIC_INT8_INPUTS]),
-    ("w4a16-gptq-kv8", []), ("w4a16-gptq", [A_FORMAT_PER_LINEAR]),
+    ("w4a16-gptq-kv8", []), ("w4a16-gptq", [A_FORMAT_PER_LINEAR]), ("w4a16-gptq", ["scheme={mx: fp4}"]),
+    ("w4a16-gptq", [MIXED_FAMILIES]), ("w4a16-rtn", FP8_GRID_THEN_STATIC_INPUTS),
 ])
 def test_streamed_checkpoint_is_the_resident_one(recipe, settings, tiny, tmp_path):
     """Every kind of step: walks (gptq, awq, smoothquant), data-free ones applied a layer at a time
