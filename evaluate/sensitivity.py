@@ -26,9 +26,8 @@ from lowbit.calibrate.progress import Progress
 from lowbit.calibrate.walker import pass_through
 from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme, fallback_type, quantize_gguf
 from lowbit.quantize.grids.gguf_plan import F16
-from lowbit.quantize.grids.int_plan import fits_columns, format_bytes, int_format
+from lowbit.quantize.grids.formats import fits_columns, format_bytes, grid_named
 from lowbit.quantize.grids.kv import KVCacheConfig
-from lowbit.quantize.grids.integer import quantize_rtn
 from lowbit.quantize.runtime import kv_cache
 
 from .kl import token_kl
@@ -40,23 +39,24 @@ INT_CANDIDATES = ("int3_g64", "int4_g64", "int4_g128", "int8", F16)
 KV_CANDIDATES = ("int4", "int8", "fp8", F16)
 
 
-def is_int_format(kind: str) -> bool:
-    return kind.startswith("int")
+def is_ggml_type(kind: str) -> bool:
+    return kind in LAYOUTS
 
 
 def type_bytes(kind: str, rows: int, cols: int) -> int:
-    """Bytes of a (rows, cols) weight stored as GGML type or integer format `kind` (f16: 2 per weight)."""
-    if kind == F16 or is_int_format(kind):
+    """Bytes of a (rows, cols) weight stored as GGML type or named format `kind` (f16: 2 per weight)."""
+    if not is_ggml_type(kind):
         return format_bytes(kind, rows, cols)
     layout = LAYOUTS[kind]
     return rows * (cols // layout.block) * layout.type_size
 
 
 def rounded(kind: str, weight: torch.Tensor, name: str) -> torch.Tensor:
-    """The weight as format `kind` holds it, dequantized."""
-    if is_int_format(kind):
-        return quantize_rtn(weight, int_format(kind)).dequantize()
-    return quantize_gguf(weight, GGUFScheme(kind), name).dequantize()
+    """The weight as format `kind` holds it (llama.cpp's reference rounding, or the named grid's
+    round-to-nearest), dequantized."""
+    if is_ggml_type(kind):
+        return quantize_gguf(weight, GGUFScheme(kind), name).dequantize()
+    return grid_named(kind).fake_round(weight, name)
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,8 @@ def linear_options(model: nn.Module, arch: Arch, kinds=CANDIDATES) -> dict[str, 
     out = {}
     for name, module in target_linears(model, arch).items():
         rows, cols = linear_weight(module).shape
-        kinds_here = {k if k == F16 or is_int_format(k) else fallback_type(k, cols) for k in kinds}
-        kinds_here = {k for k in kinds_here if k is not None and (not is_int_format(k) or fits_columns(k, cols))}
+        kinds_here = {fallback_type(k, cols) if is_ggml_type(k) else k for k in kinds}
+        kinds_here = {k for k in kinds_here if k is not None and (is_ggml_type(k) or fits_columns(k, cols))}
         out[name] = {k: type_bytes(k, rows, cols) for k in sorted(kinds_here)}
     return out
 

@@ -12,7 +12,7 @@ from lowbit.calibrate.messages import short_repr
 from lowbit.evaluate import sensitivity
 from lowbit.quantize.grids.gguf import LAYOUTS
 from lowbit.quantize.grids.gguf_plan import F16
-from lowbit.quantize.grids.int_plan import int_format
+from lowbit.quantize.grids.formats import grid_named
 
 SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B)\s*$", re.IGNORECASE)
 SIZE_UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -97,4 +97,4 @@ def _check_weight_format(kind: str, fmt: str) -> None:
             raise ValueError(f"types: {short_repr(kind)} is not a GGML type; "
                              f"valid: {', '.join(sorted(LAYOUTS))}, {F16}")
         return
-    int_format(kind)  # raises naming the valid forms
+    grid_named(kind)  # raises naming the valid forms

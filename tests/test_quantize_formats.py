@@ -7,9 +7,8 @@ import pytest
 from safetensors import safe_open
 
 from tiny_models import run_on_tiny_llama
-from lowbit.quantize.grids.formats import LinearFormats, grid_named
+from lowbit.quantize.grids.formats import LinearFormats, fits_columns, format_bytes, grid_named
 from lowbit.quantize.grids.fp8 import FP8Scheme
-from lowbit.quantize.grids.int_plan import format_bytes, format_name, int_format
 from lowbit.quantize.grids.mxfp4 import MXScheme
 from lowbit.quantize.grids.integer import IntScheme
 
@@ -17,11 +16,10 @@ PLAN = {"re:.*layers[.]0[.]mlp[.].*": "int8", "v_proj": "f16", "down_proj": "int
 
 
 def test_format_names_round_trip_and_bad_names_say_what_is_valid():
-    assert int_format("int4_g128") == IntScheme(4, True, "group", 128)
-    assert int_format("int8") == IntScheme(8, True, "channel") and int_format("f16") is None
-    assert format_name(IntScheme(3, True, "group", 64)) == "int3_g64"
+    assert grid_named("int4_g128") == IntScheme(4, True, "group", 128)
+    assert grid_named("int8") == IntScheme(8, True, "channel") and grid_named("f16") is None
     with pytest.raises(ValueError, match=r"int<bits>_g<group>"):
-        int_format("int4-g128")
+        grid_named("int4-g128")
     with pytest.raises(ValueError, match="formats\\['o_proj'\\]"):
         LinearFormats({"o_proj": "q4_0"})
     assert grid_named("fp8_e4m3") == FP8Scheme("e4m3", "channel") and grid_named("mxfp4") == MXScheme()
@@ -34,6 +32,9 @@ def test_format_bytes_count_packed_codes_and_16_bit_scales():
     assert format_bytes("int4_g64", 10, 576) == 10 * 72 * 4 + 10 * 9 * 2 + 16
     assert format_bytes("int3_g64", 1, 64) == 6 * 4 + 2 + 16  # 192 bits: 6 words
     assert format_bytes("f16", 3, 5) == 30
+    assert format_bytes("fp8_e4m3", 10, 576) == 10 * 576 + 10 * 2  # a byte a weight, a bf16 scale a row
+    assert format_bytes("mxfp4", 10, 576) == 10 * 288 + 10 * 18  # two codes a byte, an exponent per 32
+    assert fits_columns("mxfp4", 576) and not fits_columns("mxfp4", 48) and not fits_columns("int4_g128", 576)
 
 
 def test_first_matching_pattern_wins_then_the_default():

@@ -187,3 +187,18 @@ def test_a_model_with_sliding_window_layers_keeps_a_16_bit_cache_in_its_plans(ca
     assert kv_kinds(make_tiny_model("llama"), budget) == ["f16", "fp8", "int4", "int8"]
     assert kv_kinds(make_tiny_model("gemma3_text"), budget) == ["f16"]  # its sliding layers: no quantized cache
     assert "sliding_attention" in capsys.readouterr().err
+
+
+def test_fp8_and_mxfp4_are_candidates_a_plan_can_choose_and_a_run_writes(model_dir, tmp_path, capsys):
+    plan = fit(capsys, model_dir, "--budget-bits-per-weight", "6.5", "--types", "mxfp4,fp8_e4m3,f16")
+    assert plan["bits_per_weight"] <= 6.5
+    assert set(plan["types"].values()) <= {"mxfp4", "fp8_e4m3", "f16"} and "mxfp4" in plan["types"].values()
+    recipe = tmp_path / "planned.yaml"
+    formats = {name: kind for name, kind in plan["types"].items()}
+    recipe.write_text(json.dumps({"model": model_dir, "scheme": {"formats": formats, "default": "f16"},
+                                  "steps": ["rtn"]}))
+    out = tmp_path / "run"
+    assert main(["run", str(recipe), "--output", str(out), *[f"--set={s}" for s in SMALL_RUN]]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["audit"]["passed"]
+    assert results["audit"]["checked"] == sum(1 for k in plan["types"].values() if k != "f16")

@@ -7,7 +7,7 @@ from tiny_models import run_on_tiny_llama
 from lowbit.evaluate.memory import resident_tensor_bytes
 from lowbit.evaluate.peak_probe import prefill_and_decode
 from lowbit.export import checkpoint
-from lowbit.quantize.grids.int_plan import format_bytes
+from lowbit.quantize.grids.formats import format_bytes
 from lowbit.quantize.runtime.compact import PackedLinear, compact
 
 PLAN = {"down_proj": "int3_g64", "o_proj": "int8", "v_proj": "f16"}

@@ -35,6 +35,24 @@ def grid_named(name: str):
     raise ValueError(f"{short_repr(name)} is not a weight format; valid: {forms}; or {F16}")
 
 
+def format_bytes(name: str, rows: int, cols: int) -> int:
+    """Bytes of a (rows, cols) weight in the named format as compressed-tensors stores it (f16: 2 a weight)."""
+    grid = grid_named(name)
+    return rows * cols * 2 if grid is None else grid.stored_bytes(rows, cols)
+
+
+def fits_columns(name: str, cols: int) -> bool:
+    """Whether a linear with `cols` input columns can take the named format."""
+    grid = grid_named(name)
+    if grid is None:
+        return True
+    try:
+        grid.assign([Slot("linear", cols, 0, 1)])
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class LinearFormats:
     """The plan of a recipe whose linears take different formats."""

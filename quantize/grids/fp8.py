@@ -53,6 +53,11 @@ class FP8Scheme:
 
     NAME_FORMS = "fp8_e4m3, fp8_e5m2 (a scale per channel)"
 
+    def stored_bytes(self, rows: int, cols: int) -> int:
+        """One byte a weight, and a 16-bit scale per tensor, row or block (the export dtype)."""
+        scales = {"tensor": 1, "channel": rows, "block": -(-rows // self.block_size) * -(-cols // self.block_size)}
+        return rows * cols + scales[self.strategy] * 2
+
     @classmethod
     def named(cls, name: str) -> Optional["FP8Scheme"]:
         fmt = name.removeprefix("fp8_") if name.startswith("fp8_") else None

@@ -16,6 +16,8 @@ from lowbit.quantize.grids.inputs import InputQuant
 from lowbit.quantize.grids.plan import Assignment, Slot
 
 Strategy = Literal["tensor", "channel", "group"]
+STORED_SCALE_BYTES = 2  # a scale in the export dtype (bf16/fp16)
+STORED_SHAPE_BYTES = 16  # compressed-tensors' weight_shape (two int64)
 NAME = re.compile(r"^int([2-8])(?:_g(\d+))?$")  # a format name: int<bits>, int<bits>_g<group>
 
 
@@ -77,6 +79,17 @@ class IntScheme:
         return True  # every scale lies within one row: linears sharing an input may be solved stacked
 
     NAME_FORMS = "int<bits> (per channel, bits 2-8), int<bits>_g<group> (e.g. int4_g128)"
+
+    def stored_bytes(self, rows: int, cols: int) -> int:
+        """As compressed-tensors stores it: codes packed densely into int32 words per row, a 16-bit
+        scale per row and group (one per tensor), zero points packed along the rows (asymmetric;
+        one int8 per tensor), the [out, in] shape."""
+        codes = rows * ((cols * self.bits + 31) // 32) * 4
+        if self.strategy == "tensor":
+            return codes + STORED_SCALE_BYTES + (0 if self.symmetric else 1) + STORED_SHAPE_BYTES
+        groups = self.num_groups(cols)
+        zeros = 0 if self.symmetric else ((rows * self.bits + 31) // 32) * groups * 4
+        return codes + rows * groups * STORED_SCALE_BYTES + zeros + STORED_SHAPE_BYTES
 
     @classmethod
     def named(cls, name: str) -> Optional["IntScheme"]:

@@ -66,6 +66,9 @@ class MXScheme:
 
     NAME_FORMS = "mxfp4"
 
+    def stored_bytes(self, rows: int, cols: int) -> int:
+        return rows * cols // 2 + rows * (cols // BLOCK)  # two codes a byte, a uint8 exponent per block
+
     @classmethod
     def named(cls, name: str) -> Optional["MXScheme"]:
         return cls() if name == "mxfp4" else None
