@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny_models import save_tiny_llama
+from tiny_models import PINNED_RUN, save_tiny_llama
 from lowbit.app.audit import audit_run
 from lowbit.app.cli import main
 from lowbit.calibrate.arch import arch_for
@@ -20,9 +20,6 @@ from lowbit.quantize.steps.gptq import by_grid
 from lowbit.quantize.steps.gptq_solver import gptq_solve_fp8, solve_onto
 from lowbit.recipes.schema import parse_recipe
 
-SMALL = ["calibration.samples=4", "calibration.seq_len=64", "evaluate.baseline=false", "evaluate.kl.enabled=false",
-         "evaluate.memory.measure_peak=false", "evaluate.perplexity.max_tokens=256",
-         "evaluate.perplexity.context_len=128", "evaluate.perplexity.stride=128"]
 
 
 def _ctx(model):
@@ -135,7 +132,7 @@ def test_rtn_then_fp8_dynamic_writes_the_checkpoint_fp8_dynamic_writes(tmp_path,
     outputs = {}
     for recipe in ("fp8-dynamic", str(split)):
         out = Path("runs") / Path(recipe).stem
-        sets = [f"--set={s}" for s in SMALL]
+        sets = [f"--set={s}" for s in PINNED_RUN]
         assert main(["run", recipe, "--model", "tiny-llama", "--output", str(out), *sets]) == 0, capsys.readouterr().err
         assert main(["audit", str(out)]) == 0, capsys.readouterr().out
         outputs[recipe] = load_file(out / "model.safetensors")

@@ -17,7 +17,8 @@ from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.mxfp4 import MXScheme
 from lowbit.quantize.grids.plan import Slot
 from lowbit.quantize.runtime.modules import BUILDERS, module_for
-from lowbit.quantize.steps.awq import CLIPS
+from lowbit.quantize.steps.awq import CLIPS, AWQConfig
+from lowbit.quantize.steps.gptq import GPTQConfig
 from lowbit.quantize.steps.gptq_solver import SOLVERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +71,7 @@ def test_no_code_outside_grids_branches_on_a_grid_class():
 
 
 PLANS = [IntScheme(4, True, "group", 32), FP8Scheme(), LinearFormats({"down_proj": "int8", "q_proj": "mxfp4"}, "fp8_e4m3"),
-         GGUFTypes("q4_k_m")]
+         GGUFTypes("q4_k_m"), MXScheme()]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: type(p).__name__)
@@ -110,3 +111,25 @@ def test_each_family_is_in_every_registry_and_its_rounding_builds_its_module(gri
     assert module.audit("probe") == []
     assert torch.equal(module.dequantized_weight(), weight.dequantize())
     assert grid.search_groups(w).shape[:2] == (8, 256 // grid.search_groups(w).shape[-1])
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: type(p).__name__)
+def test_every_plan_says_whether_awq_can_search_it_and_gptq_can_reorder_its_groups(plan):
+    assert isinstance(plan.searchable(), bool) and isinstance(plan.orders_groups(), bool)
+
+
+@pytest.mark.parametrize("build, words", [
+    (lambda: GPTQConfig(scheme=FP8Scheme("e4m3", "channel"), actorder="group"), "use actorder static or none"),
+    (lambda: GPTQConfig(scheme=MXScheme(), actorder="group"), "use actorder static or none"),
+    (lambda: GPTQConfig(scheme=GGUFTypes("q4_0"), actorder="group"), "use actorder static or none"),
+    (lambda: GPTQConfig(scheme=LinearFormats({"down_proj": "mxfp4"}), actorder="group"), "mxfp4"),
+    (lambda: AWQConfig(scheme=FP8Scheme("e4m3", "block")), "use strategy channel"),
+])
+def test_a_step_a_grid_cannot_serve_is_refused_when_the_recipe_is_read(build, words):
+    with pytest.raises(ValueError, match=words):
+        build()
+
+
+def test_integer_groups_keep_actorder_group_and_awq_searches_fp8_channels():
+    assert GPTQConfig(scheme=LinearFormats({}, "int4_g128"), actorder="group").actorder == "group"
+    assert AWQConfig(scheme=FP8Scheme("e4m3", "channel")).scheme.searchable()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from export_helpers import compare_logits, load_without_tokenizer, token_ids
-from tiny_models import save_tiny_llama
+from tiny_models import PINNED_RUN, save_tiny_llama
 from lowbit.app.audit import audit_run
 from lowbit.app.cli import main
 from lowbit.calibrate.arch import arch_for
@@ -19,9 +19,6 @@ from lowbit.quantize.steps import gptq, rtn
 from lowbit.quantize.steps.context import StepContext
 from lowbit.recipes.schema import parse_recipe
 
-SMALL = ["calibration.samples=4", "calibration.seq_len=64", "evaluate.baseline=false", "evaluate.kl.enabled=false",
-         "evaluate.memory.measure_peak=false", "evaluate.perplexity.max_tokens=256",
-         "evaluate.perplexity.context_len=128", "evaluate.perplexity.stride=128"]
 
 
 def _weight(rows=64, cols=256, seed=0):
@@ -115,7 +112,7 @@ def test_a_run_exports_what_lowbit_and_plain_transformers_load(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mx.yaml").write_text(recipe_text)
     out = Path("runs") / "mx"
-    sets = [f"--set={s}" for s in SMALL]
+    sets = [f"--set={s}" for s in PINNED_RUN]
     assert main(["run", "mx.yaml", "--model", "tiny-llama", "--output", str(out), *sets]) == 0, capsys.readouterr().err
     assert main(["audit", str(out)]) == 0, capsys.readouterr().out
     ours = load_without_tokenizer(out)
@@ -149,6 +146,9 @@ def test_the_audit_names_mxfp4_tensors_the_config_does_not_describe():
                                                              "strategy": "group", "symmetric": True}}}
     problems = agreement.config_problems({"config_groups": as_int, "format": "pack-quantized"}, TensorTable(tensors))
     assert len(problems) == 1 and problems[0].startswith("m.weight_packed: E2M1 codes")
+    as_int16 = {**tensors, "m.weight_packed": tensors["m.weight_packed"].to(torch.int16)}
+    assert agreement.config_problems(qconfig, TensorTable(as_int16)) == [
+        "m.weight_packed: dtype I16, but a quantized weight there is stored as I32 or U8"]
 
 
 def test_awq_searches_on_mxfp4_blocks_then_rtn_passes_the_audit(tiny_llama):

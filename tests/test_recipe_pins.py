@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import save_tiny_llama
+from tiny_models import PINNED_RUN, save_tiny_llama
 from lowbit.calibrate.hardware import cpu_flags, cpu_info
 from lowbit.recipes.schema import shipped_recipes
 from lowbit.app.cli import main
@@ -40,10 +40,6 @@ UNHASHED = {"results.json", "report.html", "report.md", "manifest.json", "README
 # digits follow the chunking (evaluate/logits.py moved them by 1.4e-6); any change of a weight
 # moves it far more, and the checkpoint's files are compared exactly
 PERPLEXITY_REL = 1e-5
-SMALL = ["calibration.samples=4", "calibration.seq_len=64",
-         "evaluate.baseline=false", "evaluate.kl.enabled=false", "evaluate.memory.measure_peak=false",
-         "evaluate.perplexity.max_tokens=256", "evaluate.perplexity.context_len=128",
-         "evaluate.perplexity.stride=128"]
 
 
 def environment() -> str:
@@ -64,7 +60,7 @@ def file_hashes(folder: Path) -> dict[str, str]:
 
 def run_recipe(name: str, model: str, out: Path, capsys) -> dict:
     """The recipe's outcome: checkpoint file hashes and perplexity, or the error it stops with."""
-    code = main(["run", name, "--model", model, "--output", str(out), *[f"--set={s}" for s in SMALL]])
+    code = main(["run", name, "--model", model, "--output", str(out), *[f"--set={s}" for s in PINNED_RUN]])
     err = capsys.readouterr().err
     if code != 0:
         return {"error": err.strip().splitlines()[-1]}

@@ -52,6 +52,12 @@ def save_tiny_llama(folder, seed: int = 0, layers: int = 2):
     return folder
 
 
+# the pinned recipes' overrides (tests/test_recipe_pins.py and the runs compared with them): four
+# 64-token samples, a 256-token perplexity text, no baseline, KL or peak measurement
+PINNED_RUN = ("calibration.samples=4", "calibration.seq_len=64", "evaluate.baseline=false",
+              "evaluate.kl.enabled=false", "evaluate.memory.measure_peak=false", "evaluate.perplexity.max_tokens=256",
+              "evaluate.perplexity.context_len=128", "evaluate.perplexity.stride=128")
+
 # a run's overrides that keep a tiny pipeline fast: two short calibration samples, a short
 # perplexity text, no baseline, KL or peak measurement
 SMALL_RUN = ("calibration.samples=2", "calibration.seq_len=32", "evaluate.baseline=false",

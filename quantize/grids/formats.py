@@ -92,6 +92,15 @@ class LinearFormats:
     def scales_per_row(self) -> bool:
         return True  # every named format has scales per channel or per group of a row
 
+    def searchable(self) -> bool:
+        return all(grid.searchable() for grid in self._grids())
+
+    def orders_groups(self) -> bool:
+        return all(grid.orders_groups() for grid in self._grids())
+
+    def _grids(self) -> list:
+        return [g for g in map(grid_named, (*self.formats.values(), self.default)) if g is not None]
+
     def embedding_grid(self, cols: int, tied: bool) -> None:
         return None  # no rule of its own for the token embedding
 

@@ -51,6 +51,12 @@ class FP8Scheme:
     def scales_per_row(self) -> bool:
         return self.strategy != "tensor"
 
+    def searchable(self) -> bool:
+        return self.strategy == "channel"  # a block's scale spans rows: no search slices it
+
+    def orders_groups(self) -> bool:
+        return False  # scales fixed from the weight, whatever the column order
+
     NAME_FORMS = "fp8_e4m3, fp8_e5m2 (a scale per channel)"
 
     def stored_bytes(self, rows: int, cols: int) -> int:

@@ -61,6 +61,12 @@ class GGUFTypes:
     def scales_per_row(self) -> bool:
         return True
 
+    def searchable(self) -> bool:
+        return True
+
+    def orders_groups(self) -> bool:
+        return False  # GGML blocks follow the stored column order
+
     def assign(self, slots: list[Slot]) -> Assignment:
         """Each slot's GGML type by llama.cpp's rules: decoder-layer linears by their role and layer,
         others (lm_head) as the output matrix; rows no block divides stay 16-bit."""

@@ -63,6 +63,12 @@ class IntScheme:
         """Whether each row has scales of its own (GPTQ and AWQ solve and search per row)."""
         return self.strategy != "tensor"
 
+    def searchable(self) -> bool:
+        return self.scales_per_row()
+
+    def orders_groups(self) -> bool:
+        return True  # groups formed in the Hessian's order are carried by g_idx
+
     def assign(self, slots: list[Slot]) -> Assignment:
         """This grid on every slot, once each group size is checked against its rows."""
         for slot in slots:

@@ -61,6 +61,12 @@ class MXScheme:
     def scales_per_row(self) -> bool:
         return True
 
+    def searchable(self) -> bool:
+        return True
+
+    def orders_groups(self) -> bool:
+        return False  # 32-wide blocks of a row, in the stored order
+
     def stacks_rows(self) -> bool:
         return True  # a scale covers 32 weights of one row
 

@@ -12,6 +12,11 @@ A *grid* is one linear's number format (IntScheme, FP8Scheme, MXScheme, GGUFSche
 - `sweep_view(w)`, where GPTQ fixes the scales from w before its sweep (fp8, mxfp4): `per_element` scales
   (rows, cols; stride 0 along columns where every column shares them), `snap(w, scale)` onto the
   grid, and `weight(swept)` from the swept values;
+- `stored_bytes(rows, cols)`: the bytes a (rows, cols) weight takes in a checkpoint, scales included
+  (`lowbit fit` weighs candidates by it);
+- on its class, `named(name)`: the grid a per-linear plan's format name gives (`int4_g128`,
+  `fp8_e4m3`, `mxfp4`), else None, and `NAME_FORMS`, those names as an error message lists them
+  (quantize/grids/formats.py asks both);
 and its runtime module answers the audit (`holds`, `audit`).
 
 A *plan* is what a recipe's `scheme:` names (one grid, a format per linear, a llama.cpp file type):
@@ -19,7 +24,11 @@ A *plan* is what a recipe's `scheme:` names (one grid, a format per linear, a ll
   before anything changes;
 - `record(grids)`: what the step's results say of the assignment;
 - `embedding_grid(cols, tied)`: the token embedding's grid in a GGUF file, if the plan has a rule;
-- `scales_per_row()`: whether every row has scales of its own (what GPTQ and AWQ need).
+- `scales_per_row()`: whether every row has scales of its own (what GPTQ and AWQ need);
+- `searchable()`: whether `search_groups` slices every grid it gives (AWQ's clip search; FP8 block
+  scales span rows);
+- `orders_groups()`: whether GPTQ may form groups in the Hessian's order (actorder group: only
+  integer groups, whose g_idx carries the order).
 A single grid is a plan that gives itself to every target. Steps ask these; they never branch on a
 grid's class (tests/test_grid_seam.py).
 """

@@ -55,6 +55,9 @@ class AWQConfig:
         if not self.scheme.scales_per_row():
             raise ValueError("awq searches per-channel or per-group scales; scheme strategy tensor "
                              "is not supported (use channel or group)")
+        if not self.scheme.searchable():
+            raise ValueError(f"awq searches scales within rows; {self.scheme.describe()} has scales spanning rows "
+                             "(FP8 strategy block): use strategy channel")
         if self.grid < 1 or self.clip_grid < 1 or not 0.0 <= self.max_shrink < 1.0:
             raise ValueError("grid and clip_grid must be >= 1 and max_shrink in [0, 1)")
         if self.clip_tokens is not None and self.clip_tokens < 1:

@@ -75,11 +75,19 @@ def apply(ctx: StepContext, cfg: FP8Config) -> dict:
 def _weight_only(ctx: StepContext, targets) -> dict:
     """The FP8 linears an earlier weight step (rtn, gptq onto an fp8 scheme) left with 16-bit
     inputs: this step quantizes only their inputs; they leave `targets.ignored`."""
-    rounded = {n: m for n, m in ctx.model.named_modules()
-               if n in targets.ignored and isinstance(m, FP8Linear) and m.activations == "none"}
+    rounded = {n: m for n, m in ((n, _module_at(ctx.model, n)) for n in targets.ignored)
+               if isinstance(m, FP8Linear) and m.activations == "none"}
     for name in rounded:
         del targets.ignored[name]
     return rounded
+
+
+def _module_at(model, name: str):
+    """The module at `name`, or None where the name is no module (an expert slice of a fused tensor)."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _apply_gptq(ctx: StepContext, cfg: FP8Config, targets, input_scales: dict) -> dict:

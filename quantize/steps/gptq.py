@@ -58,6 +58,9 @@ class GPTQConfig:
         if not self.scheme.scales_per_row():
             raise ValueError("gptq solves per-channel, per-group or per-block scales; scheme strategy tensor is "
                              "not supported (use channel, group, or block for fp8)")
+        if self.actorder == "group" and not self.scheme.orders_groups():
+            raise ValueError(f"actorder group forms integer groups in the Hessian's order; {self.scheme.describe()} "
+                             "fixes its scales whatever the order: use actorder static or none")
         if self.batch_columns < 1 or self.micro_batch < 1:
             raise ValueError("batch_columns and micro_batch must be positive")
         if self.scale_search not in ("minmax", "mse"):

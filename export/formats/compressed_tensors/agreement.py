@@ -36,7 +36,7 @@ def module_problems(prefix: str, table, qconfig: dict) -> list[str]:
     if wanted is None:
         return [f"{prefix}.weight_scale: {said} is no scheme lowbit reads ({_schemes_read()})"]
     if stored is None:
-        return [f"{prefix}.weight_scale: no {prefix}.weight_packed or quantized {prefix}.weight beside it"]
+        return [_unread_weight(prefix, table)]
     if stored is not wanted:
         tensor, _, what = stored.STORED
         return [f"{prefix}.{tensor}: {what}, but {said} describes {wanted.FORMAT}"]
@@ -51,6 +51,16 @@ def _stored_codec(prefix: str, table):
         if name in table and table.dtype(name) == dtype:
             return codec
     return None
+
+
+def _unread_weight(prefix: str, table) -> str:
+    """Why no codec reads the module's weight: a weight tensor of a dtype none stores, or none at all."""
+    for tensor in dict.fromkeys(c.STORED[0] for c in CODECS):
+        name = f"{prefix}.{tensor}"
+        if name in table:
+            stored = sorted({c.STORED[1] for c in CODECS if c.STORED[0] == tensor})
+            return f"{name}: dtype {table.dtype(name)}, but a quantized weight there is stored as {' or '.join(stored)}"
+    return f"{prefix}.weight_scale: no {prefix}.weight_packed or quantized {prefix}.weight beside it"
 
 
 def _schemes_read() -> str:
