@@ -1,8 +1,9 @@
 """The coverage audit with a recipe's knowledge: what each step should have left on the model.
 
-`audit_run` checks the in-memory model at the end of a run (before export, so a failed audit
-publishes nothing); `audit_checkpoint` checks a written checkpoint against its recipe.yaml, or,
-for checkpoints without one (other tools' compressed-tensors), against its config.json.
+`RunAudit` checks a run's model a portion at a time as the export reads it (so a failed audit
+publishes nothing), resident and streamed runs alike; `audit_run` is it over a model in memory;
+`audit_checkpoint` checks a written checkpoint against its recipe.yaml, or, for checkpoints
+without one (other tools' compressed-tensors), against its config.json.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import yaml
 from torch import nn
 
 from lowbit.calibrate.experts import unfuse_experts
-from lowbit.calibrate.arch import Arch, arch_for, is_linear, matches_name
+from lowbit.calibrate.arch import Arch, arch_for, decoder_layers, is_linear, matches_name
+from lowbit.calibrate.layer_source import MemoryLayers, Portion
 from lowbit.export import checkpoint, kv_scales
 from lowbit.export.manifest import MANIFEST
 from lowbit.quantize.grids.linear import LinearScheme
@@ -67,13 +69,47 @@ def _per_linear(writes: LinearScheme, model: nn.Module, arch: Arch, targeted, ig
     return {name: LinearScheme(grid, writes.inputs) for name, grid in grids.items()}
 
 
+class RunAudit:
+    """A run's audit, one portion of the model at a time (export/portions.py calls it on each before
+    writing it); the portions' reports add up to the whole model's. What each step should leave is
+    read from the model before the steps (a streamed run's float skeleton); scales are judged in
+    the export dtype."""
+
+    def __init__(self, recipe: Recipe, model: nn.Module, arch: Arch):
+        self.expected, self.ignored, self.kv = expected_schemes(recipe, model, arch)
+        self.arch, self.ignore, self.storage_dtype = arch, recipe.ignore, getattr(torch, recipe.export.dtype)
+        self.report = AuditReport()
+
+    def noting(self, steps: list[dict]) -> "RunAudit":
+        """What the steps' records say beside the checks: damping retries, fallbacks."""
+        self.report.damping, self.report.fallbacks = list(damping_notes(steps)), fallback_notes(steps)
+        return self
+
+    def portion(self, model: nn.Module, portion: Portion) -> AuditReport:
+        """Check the portion's modules (the rest of `model` is out of its tree or on meta) and add
+        what was found to the run's report; returns the portion's own."""
+        prefixes = tuple(f"{self.arch.layers}.{i}." for i in portion.layers)
+        outer = tuple(portion.outer)
+        expected = {n: s for n, s in self.expected.items()
+                    if n.startswith(prefixes) or n in outer or n.startswith(tuple(o + "." for o in outer))}
+        part = audit_model(model, expected, self.ignored, self.kv, self.arch, self.storage_dtype, ignore=self.ignore)
+        self.report.checked.update(part.checked)
+        self.report.kv = part.kv or self.report.kv
+        self.report.ignored.update({n: why for n, why in part.ignored.items() if n not in self.report.ignored})
+        self.report.problems += part.problems
+        self.report.matrices.add(part.matrices)
+        return part
+
+    def __call__(self, model: nn.Module, portion: Portion) -> None:
+        self.portion(model, portion).raise_if_failed()
+
+
 def audit_run(model: nn.Module, recipe: Recipe, arch: Arch, steps: list[dict]) -> AuditReport:
-    """Audit the model a run has just quantized; scales are judged in the export dtype."""
-    expected, ignored, kv = expected_schemes(recipe, model, arch)
-    report = audit_model(model, expected, ignored, kv, arch, storage_dtype=getattr(torch, recipe.export.dtype),
-                         damping=tuple(damping_notes(steps)), ignore=recipe.ignore)
-    report.fallbacks = fallback_notes(steps)
-    return report
+    """The run's audit of a model in memory (one portion: the whole model), not raising."""
+    audit = RunAudit(recipe, model, arch).noting(steps)
+    whole, = MemoryLayers(model, arch).portions(len(decoder_layers(model, arch)))
+    audit.portion(model, whole)
+    return audit.report
 
 
 def audit_checkpoint(folder: str | Path, trust_remote_code: bool = False) -> AuditReport:

@@ -10,7 +10,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from lowbit.export.checkpoint import make_parent
+from lowbit.export.staging import make_parent
 from lowbit.export.files import os_error
 
 

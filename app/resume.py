@@ -28,7 +28,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from lowbit.export.formats import compressed_tensors as ct
-from lowbit.export.checkpoint import is_lowbit_export, publish
+from lowbit.export.checkpoint import is_lowbit_export
+from lowbit.export.staging import publish
 from lowbit.export.safetensors_join import write_part
 from lowbit.export.manifest import write_text_atomic
 from lowbit.quantize.grids.gguf import GGUFScheme

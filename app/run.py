@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
 import yaml
 
 from lowbit.calibrate.experts import active_params
@@ -17,6 +16,7 @@ from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.distributed import broadcast_json, world
 from lowbit.calibrate.hardware import cpu_info, resolve_device
 from lowbit.calibrate.offload import resolve_offload
+from lowbit.calibrate.layer_source import MemoryLayers
 from lowbit.calibrate.models import load_model, local_model_folder
 from lowbit.evaluate.baseline import cached_baseline
 from lowbit.evaluate.placement import placement_of, resolve_placement
@@ -27,25 +27,23 @@ from lowbit.evaluate.perplexity import perplexity
 from lowbit.evaluate.report import write_report
 from lowbit.evaluate.results import ModelInfo, Results
 from lowbit.evaluate.suite import Reference
-from lowbit.export import checkpoint
 from lowbit.export.files import out_of_space_names
 from lowbit.export.formats.hf_folder import model_code
 from lowbit.export.output_folder import check_apart, check_output_dir, check_output_name
-from lowbit.export.streamed import save_streamed
+from lowbit.export.portions import save_in_portions
 from lowbit.export.manifest import write_text_atomic
 from lowbit.export.model_card import write_model_card
 from lowbit.quantize.steps.context import StepContext
-from lowbit.quantize.audit import damping_notes, fallback_notes
 from lowbit.recipes.gguf_defaults import export_config
 from lowbit.recipes.schema import Recipe
 
-from .audit import audit_run, expected_schemes
+from .audit import RunAudit
 from .lock import output_lock
 from .preflight import preflight, preflight_settings
 from .fit_recipe import resolve_fit
 from .resume import RunProgress
 from .stepping import apply_step, rank_samples, timer
-from .streamed import PortionAudit, apply_steps_streamed, load_skeleton, streaming_folder
+from .streamed import apply_steps_streamed, load_skeleton, streaming_folder
 
 TIMINGS = ("load_s", "calibrate_s", "quantize_s", "export_s", "evaluate_s")
 
@@ -93,34 +91,56 @@ def check_run_output(recipe: Recipe, output: str | Path, overwrite: bool, shown:
 
 def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
     """Load, measure the baseline, run the steps, audit and export into progress.checkpoint;
-    returns what evaluating the checkpoint needs (kept by progress, so a resumed run skips this)."""
-    folder = streaming_folder(recipe)
-    if folder is not None:
-        return quantize_and_export_streamed(recipe, progress, folder)
+    returns what evaluating the checkpoint needs (kept by progress, so a resumed run skips this).
+    A model that does not fit (streaming_folder) is never resident: a skeleton whose decoder layers
+    each step streams through the resume folder, its baseline measured streamed by the evaluation.
+    Either way the audit checks, and the export writes, the model as its layer source hands it out."""
     seconds: dict = {}
     timed = timer(seconds)
+    folder = streaming_folder(recipe)
+    model, tokenizer, baseline_bytes, weights = (load_resident(recipe, seconds, timed) if folder is None
+                                                 else load_streamed(recipe, folder, seconds))
+    info = model_info(recipe, model)
+    arch = arch_for(model)
+    audit = RunAudit(recipe, model, arch)  # what each step should leave, read from the float model
+    ctx = step_context(recipe, model, arch, tokenizer, timed, progress)
+    if weights is None:
+        steps, source = apply_steps(recipe, ctx, progress, timed), MemoryLayers(model, arch)
+    else:
+        steps, source = apply_steps_streamed(recipe, ctx, weights, progress, timed)
+    seconds["quantize_s"] = seconds.get("quantize_s", 0.0) - seconds.get("calibrate_s", 0.0)
+    audit.noting(steps)
+    with timed("export_s"):  # the audit sees each portion before it is written: a failed one publishes nothing
+        save_in_portions(model, tokenizer, progress.new_checkpoint(), export_config(recipe, model), arch, source,
+                         extra_files=model_code(recipe.model, recipe.trust_remote_code), check=audit)
+    exported = {"model": info, "baseline_bytes": baseline_bytes, "steps": steps, "audit": audit.report.to_dict(),
+                "seconds": seconds}
+    if folder is not None:
+        exported["streamed_from"] = folder
+    progress.record_export(exported)
+    return exported
+
+
+def load_resident(recipe: Recipe, seconds: dict, timed) -> tuple:
+    """(model, tokenizer, 16-bit baseline bytes, None): the model in memory, checked, its baseline
+    perplexity measured now where evaluation will use it."""
     model, tokenizer, seconds["load_s"] = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
                                                      allow_pickle=recipe.allow_pickle)
     preflight(recipe, model, tokenizer)  # NaN weights, a tokenizer the protocol cannot use: before any work
-    info = model_info(recipe, model)
     baseline_bytes = model_weight_bytes(model, bytes_per_param=2)  # as a 16-bit checkpoint
     if baseline_now(recipe, model):  # into the cache evaluate() reads, while the model is still the baseline
         protocol = recipe.evaluate.perplexity
         with timed("evaluate_s"):
             cached_baseline(recipe.model, protocol, lambda: perplexity(model, tokenizer, protocol), placement_of(model))
-    arch = arch_for(model)
-    ctx = step_context(recipe, model, arch, tokenizer, timed, progress)
-    steps = apply_steps(recipe, ctx, progress, timed)
-    seconds["quantize_s"] = seconds.get("quantize_s", 0.0) - seconds.get("calibrate_s", 0.0)
-    audit = audit_run(model, recipe, arch, steps)  # before export: a failed audit publishes nothing
-    audit.raise_if_failed()
-    with timed("export_s"):
-        checkpoint.save(model, tokenizer, progress.new_checkpoint(), export_config(recipe, model),
-                        extra_files=model_code(recipe.model, recipe.trust_remote_code))
-    exported = {"model": info, "baseline_bytes": baseline_bytes, "steps": steps, "audit": audit.to_dict(),
-                "seconds": seconds}
-    progress.record_export(exported)
-    return exported
+    return model, tokenizer, baseline_bytes, None
+
+
+def load_streamed(recipe: Recipe, folder: str, seconds: dict) -> tuple:
+    """(skeleton, tokenizer, 16-bit baseline bytes, its weights): nothing of the weights read yet
+    (they are checked per layer, as they are read)."""
+    model, tokenizer, weights, seconds["load_s"] = load_skeleton(recipe, folder)
+    preflight_settings(recipe, model, tokenizer)
+    return model, tokenizer, 2 * weights.numel(), weights
 
 
 def step_context(recipe: Recipe, model, arch, tokenizer, timed, progress: RunProgress) -> StepContext:
@@ -132,32 +152,6 @@ def step_context(recipe: Recipe, model, arch, tokenizer, timed, progress: RunPro
     offload = resolve_offload(cal.offload, device, activation_bytes, progress.folder / "activations")
     return StepContext(model, arch, recipe.ignore, lambda: rank_samples(recipe, tokenizer, timed), device=device,
                        offload=offload)
-
-
-def quantize_and_export_streamed(recipe: Recipe, progress: RunProgress, folder: str) -> dict:
-    """quantize_and_export for a model that is never resident: each step streams the decoder
-    layers through the resume folder, the audit and the export read them back one at a time, and
-    the baseline is measured streamed by the evaluation."""
-    seconds: dict = {}
-    timed = timer(seconds)
-    model, tokenizer, weights, seconds["load_s"] = load_skeleton(recipe, folder)
-    preflight_settings(recipe, model, tokenizer)  # the weights are checked per layer, as they are read
-    info = model_info(recipe, model)
-    arch = arch_for(model)
-    expected, ignored, kv = expected_schemes(recipe, model, arch)  # from the float skeleton, as audit_run
-    ctx = step_context(recipe, model, arch, tokenizer, timed, progress)
-    steps, layers = apply_steps_streamed(recipe, ctx, weights, progress, timed)
-    seconds["quantize_s"] = seconds.get("quantize_s", 0.0) - seconds.get("calibrate_s", 0.0)
-    audit = PortionAudit(expected, ignored, kv, arch, getattr(torch, recipe.export.dtype), tuple(damping_notes(steps)),
-                         recipe.ignore)
-    audit.report.fallbacks = fallback_notes(steps)
-    with timed("export_s"):
-        save_streamed(model, tokenizer, progress.new_checkpoint(), export_config(recipe, model), arch, layers,
-                      extra_files=model_code(recipe.model, recipe.trust_remote_code), check=audit)
-    exported = {"model": info, "baseline_bytes": 2 * weights.numel(), "steps": steps,
-                "audit": audit.report.to_dict(), "seconds": seconds, "streamed_from": folder}
-    progress.record_export(exported)
-    return exported
 
 
 def model_info(recipe: Recipe, model) -> dict:

@@ -2,7 +2,7 @@
 step walks the decoder layers, loading each from the newest step folder of the resume directory
 that finished it (else from the model's safetensors shards), and saves it there once done
 (app/resume.py's StepLayers: those files are the run's state, so --resume continues streamed
-runs too); the export then joins the last step's layers into the checkpoint (export/streamed.py).
+runs too); the export then joins the last step's layers into the checkpoint (export/portions.py).
 
 Memory: one decoder layer in the calibration dtype (float32) plus what the step keeps for it
 (GPTQ: one Hessian per input, in² x 4 bytes), the calibration activations (walker.py) and, while
@@ -34,10 +34,10 @@ from lowbit.calibrate.distributed import world
 from lowbit.calibrate.hardware import available_memory_bytes
 from lowbit.calibrate.model_config import check_model_source
 from lowbit.calibrate.models import load_tokenizer, resolve_model_path
+from lowbit.calibrate.layer_source import Portion
 from lowbit.calibrate.observers_walked import walked_kv_absmax, walked_linear_input_absmax
 from lowbit.calibrate.streaming import (ShardedWeights, buffers_to, check_weights_match, embedding_rows, empty_model,
                                         materialize, outer_modules, release, release_all)
-from lowbit.quantize.audit import AuditReport, audit_model
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
 from lowbit.quantize.steps.spec import LAYERS, MODEL, WALK
@@ -101,6 +101,10 @@ class StreamedLayers:
     def outer_names(self) -> list[str]:
         return [name for name, _ in outer_modules(self.model, self.arch.layers)]
 
+    def portions(self, count: int) -> list[Portion]:
+        """An export's passes: each module outside the layers alone, then each layer alone."""
+        return [Portion([], [name]) for name in self.outer_names()] + [Portion([i], []) for i in range(count)]
+
     @contextmanager
     def outer(self, device, dtype=None, names=None, tokens=None):
         """The embedding, final norm and head (never changed by a streamed run) from the shards, in
@@ -155,8 +159,6 @@ def _cannot_stream(recipe: Recipe, folder: Path) -> str:
                 "first, e.g. `hf download NAME --local-dir DIR`, and pass --model DIR)")
     if not safetensors_files(folder):
         return f"{folder} has no safetensors weights to stream"
-    if recipe.export.format == "gguf":
-        return "export format gguf writes one model.gguf, which a streamed export does not assemble yet"
     if not matches_name("lm_head", recipe.ignore):
         return "a streamed run leaves the LM head unquantized; keep lm_head in `ignore`"
     for i, step in enumerate(recipe.steps):
@@ -255,24 +257,3 @@ def merge_records(records: list[dict]) -> dict:
             elif isinstance(value, dict):
                 merged[key].update(value)
     return merged
-
-
-class PortionAudit:
-    """The run's audit, one resident portion at a time while the export reads it (so a failed
-    audit publishes nothing); the portions' reports add up to the whole model's."""
-
-    def __init__(self, expected: dict, ignored: dict, kv, arch: Arch, storage_dtype, damping: tuple,
-                 ignore: tuple[str, ...] = ()):
-        self.expected, self.ignored, self.kv, self.arch, self.ignore = expected, ignored, kv, arch, ignore
-        self.storage_dtype, self.report = storage_dtype, AuditReport(damping=list(damping))
-
-    def __call__(self, model: nn.Module, resident: list[int]) -> None:
-        prefixes = tuple(f"{self.arch.layers}.{i}." for i in resident)
-        expected = {n: s for n, s in self.expected.items() if n.startswith(prefixes)}
-        part = audit_model(model, expected, self.ignored, self.kv, self.arch, self.storage_dtype, ignore=self.ignore)
-        self.report.checked.update(part.checked)
-        self.report.kv = part.kv or self.report.kv
-        self.report.ignored.update({n: why for n, why in part.ignored.items() if n not in self.report.ignored})
-        self.report.problems += part.problems
-        self.report.matrices.add(part.matrices)
-        part.raise_if_failed()

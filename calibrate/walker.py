@@ -25,22 +25,25 @@ micro-batch, on top of the 540 MB model.
 
 With `forward_dtype` the layer forwards run under autocast (bf16 matmuls; hidden states between
 layers keep their dtype). With a `store` (LayerStore) every finished layer is checkpointed and a
-resumed walk restores the layers an interrupted one finished instead of recomputing them. With a
-`source` (LayerSource) the model is a skeleton without weights: each layer is loaded when the walk
-reaches it and let go once it is finished (and saved), so one layer's weights are resident at a time.
+resumed walk restores the layers an interrupted one finished instead of recomputing them. Each
+layer is loaded from a `source` (calibrate/layer_source.py) when the walk reaches it and let go once
+it is finished (and saved): by default the model in memory (MemoryLayers: the layer moved to the
+device and back); a streamed run's source reads a skeleton's layers from the shards, so one
+layer's weights are resident at a time.
 """
 from __future__ import annotations
 
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from .arch import Arch, decoder_layers
 from .experts import recording
+from .layer_source import LayerSource, LayerStore, MemoryLayers
 from .offload import Offload
 from .progress import Progress
 
@@ -64,34 +67,6 @@ class LayerInputs:
         """Point `kwargs` at what the model passes decoder layer `index`."""
         if self.layer_kwargs:
             self.kwargs = self.layer_kwargs[index]
-
-
-class LayerStore(Protocol):
-    """Where walk() checkpoints finished layers (implemented by the run, which can serialise
-    quantized modules): save after each layer; restore returns (result, hidden) for a layer a
-    previous run finished — hidden being the outputs of the last finished layer, else None —
-    after loading its state into `layer`, or None when the layer still has to be done."""
-
-    def save(self, index: int, prefix: str, layer: nn.Module, result,
-             hidden: Optional[list[torch.Tensor]]) -> None: ...
-
-    def restore(self, index: int, prefix: str, layer: nn.Module): ...
-
-
-class LayerSource(Protocol):
-    """Where a streamed walk's layers come from: load puts layer `index` (at `prefix`) on `device`
-    before the walk reaches it, unload lets it go after; outer(device, tokens=ids) is a context manager
-    that keeps what runs before the first layer (of the token embedding, the rows of `ids`) resident
-    while inputs are captured (an export asks for the modules outside the layers one at a time:
-    outer_names, and outer's dtype and names)."""
-
-    def load(self, index: int, prefix: str, layer: nn.Module, device) -> None: ...
-
-    def unload(self, index: int, prefix: str, layer: nn.Module) -> None: ...
-
-    def outer(self, device, dtype=None, names=None): ...
-
-    def outer_names(self) -> list[str]: ...
 
 
 class WalkResult(list):
@@ -275,11 +250,6 @@ def _masks(inputs: LayerInputs) -> list[Optional[torch.Tensor]]:
     return inputs.token_mask or [None] * len(inputs.hidden)
 
 
-def _layer_device(layer: nn.Module) -> Optional[torch.device]:
-    param = next(layer.parameters(), None)
-    return None if param is None else param.device
-
-
 @torch.no_grad()
 def walk(model, arch: Arch, batches: torch.Tensor, on_layer, device=None, label: str = "walk",
          micro_batch: int = 8, attention_mask: Optional[torch.Tensor] = None,
@@ -290,12 +260,14 @@ def walk(model, arch: Arch, batches: torch.Tensor, on_layer, device=None, label:
     become the next layer's inputs. Returns the results (and, with final_outputs, the final
     hidden states; without, the last layer's outputs are never computed). With a store, each
     finished layer is saved, and layers an interrupted run finished are restored, not redone.
-    With a source, each layer is loaded from it when reached and unloaded when done. With an
+    Each layer is loaded from the source when reached and unloaded when done. With an
     offload, the activations between layers wait where it says (device, cpu or disk)."""
-    if device is None:
-        device = torch.device("cpu") if source is not None else _input_device(model)
+    source = source or MemoryLayers(model, arch)
+    if device is None:  # where the model's inputs are; a skeleton's (on meta): the CPU
+        device = _input_device(model)
+        device = torch.device("cpu") if device.type == "meta" else device
     device = torch.device(device)
-    with source.outer(device, tokens=batches) if source is not None else contextlib.nullcontext():
+    with source.outer(device, tokens=batches):
         inputs = capture_first_layer_inputs(model, arch, batches, micro_batch, attention_mask, device, offload)
     inputs.forward_dtype = forward_dtype
     layers = decoder_layers(model, arch)
@@ -303,11 +275,7 @@ def walk(model, arch: Arch, batches: torch.Tensor, on_layer, device=None, label:
     results = WalkResult()
     for i, layer in enumerate(layers):
         prefix = f"{arch.layers}.{i}"
-        home = None if source is not None else _layer_device(layer)
-        if source is not None:
-            source.load(i, prefix, layer, device)
-        else:
-            layer.to(device)
+        source.load(i, prefix, layer, device)
         inputs.use_layer(i)
         restored = store.restore(i, prefix, layer) if store is not None else None
         if restored is not None:  # finished by an earlier, interrupted run
@@ -322,10 +290,7 @@ def walk(model, arch: Arch, batches: torch.Tensor, on_layer, device=None, label:
             if store is not None:
                 store.save(i, prefix, layer, result, inputs.hidden if computed else None)
         results.append(result)
-        if source is not None:
-            source.unload(i, prefix, layer)
-        elif home is not None:
-            layer.to(home)
+        source.unload(i, prefix, layer)
         progress.step()
     results.hidden = inputs.hidden
     return results

@@ -12,7 +12,7 @@ import yaml
 from lowbit.calibrate.data import CalibrationConfig
 from lowbit.calibrate.messages import short_repr
 from lowbit.evaluate.config import EvaluateConfig
-from lowbit.export.checkpoint import check_plain_name
+from lowbit.export.staging import check_plain_name
 from lowbit.export.config import ExportConfig
 
 from lowbit.quantize.grids.linear import LinearScheme

@@ -15,14 +15,14 @@ from lowbit.calibrate.models import load_model
 from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
 from lowbit.export.manifest import write_manifest
-from lowbit.export.streamed import only_layers
+from lowbit.export.portions import only_layers
 from lowbit.quantize.audit import AuditError
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
 from lowbit.recipes.schema import parse_recipe
-from lowbit.app.audit import audit_run, expected_schemes
+from lowbit.app.audit import RunAudit, audit_run
 from lowbit.app.cli import main
-from lowbit.app.streamed import PortionAudit
+from lowbit.calibrate.layer_source import Portion
 
 RUN_SETS = [f"--set={s}" for s in SMALL_RUN]
 EVAL_SETS = [s for s in RUN_SETS if s.startswith("--set=evaluate.")]
@@ -193,13 +193,12 @@ def test_run_on_a_moe_lowbit_cannot_split_stops_before_export_naming_the_float_e
 def test_streamed_portions_fail_on_the_layer_with_float_experts(moe):
     recipe = parse_recipe({"scheme": W4_G64, "steps": ["rtn"], "ignore": ["lm_head"]}, "test")
     model, _, arch = quantized_moe(moe[0], recipe)
-    expected, ignored, kv = expected_schemes(recipe, model, arch)
-    audit = PortionAudit(expected, ignored, kv, arch, torch.bfloat16, (), recipe.ignore)
+    audit = RunAudit(recipe, model, arch)
     layers = decoder_layers(model, arch)
     with only_layers(model, arch, layers, []):
-        audit(model, [])  # the embedding, norm and head: nothing of a layer
+        audit(model, Portion([], ["model.embed_tokens", "model.norm", "lm_head"]))  # nothing of a layer
     with only_layers(model, arch, layers, [1]), pytest.raises(AuditError) as failed:
-        audit(model, [1])
+        audit(model, Portion([1], []))
     assert "model.layers.1.mlp.experts.gate_up_proj: float" in str(failed.value)
     assert "model.layers.0" not in str(failed.value)
     assert audit.report.matrices.quantized == 12288 and audit.report.matrices.float == 49408

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from streaming_models import save_sharded_tiny
-from tiny_models import save_tiny_llama
+from tiny_models import PINNED_RUN, save_tiny_llama
 from lowbit.calibrate.arch import arch_for, decoder_layers
 from lowbit.calibrate.streaming import is_resident
 from lowbit.export.safetensors_join import join_safetensors
@@ -24,9 +24,6 @@ from lowbit.app import resume
 from lowbit.app.cli import main
 from lowbit.app.streamed import StreamedLayers, load_skeleton
 
-QUICK = ["calibration.samples=4", "calibration.seq_len=64", "evaluate.baseline=false",
-         "evaluate.kl.enabled=false", "evaluate.memory.measure_peak=false", "evaluate.perplexity.max_tokens=256",
-         "evaluate.perplexity.context_len=128", "evaluate.perplexity.stride=128"]
 WEIGHTS_AND_CONFIG = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json")
 
 
@@ -37,7 +34,7 @@ def tiny(tmp_path_factory):
 
 def lowbit_run(recipe: str, model: Path, out: Path, *settings: str, extra=()) -> int:
     args = ["run", recipe, "--model", str(model), "--output", str(out), *extra]
-    for item in (*QUICK, *settings):
+    for item in (*PINNED_RUN, *settings):
         args += ["--set", item]
     return main(args)
 
@@ -88,6 +85,20 @@ def test_streamed_checkpoint_is_the_resident_one(recipe, settings, tiny, tmp_pat
     assert streamed["audit"]["ignored"] == resident["audit"]["ignored"]
 
 
+@pytest.mark.parametrize("recipe", ["gguf-q4_0", "gguf-q4_k-gptq"])
+def test_streamed_gguf_is_the_resident_one(recipe, tiny, tmp_path):
+    """model.gguf written a layer at a time from its parts holds every tensor where the resident
+    run's file does: the same bytes."""
+    assert lowbit_run(recipe, tiny, tmp_path / "resident", "calibration.streaming=false") == 0
+    assert lowbit_run(recipe, tiny, tmp_path / "streamed", "calibration.streaming=true") == 0
+    for name in ("model.gguf", "config.json"):
+        assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "resident" / name).read_bytes(), name
+    resident = json.loads((tmp_path / "resident" / "results.json").read_text())
+    streamed = json.loads((tmp_path / "streamed" / "results.json").read_text())
+    assert streamed["quality"]["perplexity"] == resident["quality"]["perplexity"]
+    assert streamed["audit"]["checked"] == resident["audit"]["checked"] > 0
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text", "phi3", "opt"])
 def test_streamed_equals_resident_across_architectures(model_type, tmp_path, tiny_tokenizer_dir):
     """Sharded folders (several files and an index), tied and untied heads, fused projections,
@@ -97,6 +108,15 @@ def test_streamed_equals_resident_across_architectures(model_type, tmp_path, tin
         assert lowbit_run("w4a16-gptq", folder, tmp_path / mode, f"calibration.streaming={mode}") == 0
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / "true" / name).read_bytes() == (tmp_path / "false" / name).read_bytes(), name
+
+
+def test_streamed_gguf_of_an_untied_sharded_model_is_the_resident_one(tmp_path, tiny_tokenizer_dir):
+    """An untied head read from its own shard, the output tensor beside token_embd: model.gguf
+    is still the resident run's."""
+    folder = save_sharded_tiny(tmp_path / "qwen2", "qwen2", tiny_tokenizer_dir)
+    for mode in ("false", "true"):
+        assert lowbit_run("gguf-q4_0", folder, tmp_path / mode, f"calibration.streaming={mode}") == 0
+    assert (tmp_path / "true" / "model.gguf").read_bytes() == (tmp_path / "false" / "model.gguf").read_bytes()
 
 
 def test_a_streamed_walk_holds_one_layer(tmp_path, tiny_tokenizer_dir):
@@ -164,7 +184,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_killed_streamed_run_resumes_to_the_same_checkpoint(tiny, tmp_path):
-    settings = [x for item in (*QUICK, "calibration.streaming=true") for x in ("--set", item)]
+    settings = [x for item in (*PINNED_RUN, "calibration.streaming=true") for x in ("--set", item)]
     assert main(["run", "w4a16-gptq", "--model", str(tiny), "--output", str(tmp_path / "whole"), *settings]) == 0
     out = tmp_path / "killed"
     child = subprocess.Popen([sys.executable, "-c", STOPS_AFTER_A_LAYER, "run", "w4a16-gptq", "--model", str(tiny),
@@ -187,7 +207,6 @@ def test_killed_streamed_run_resumes_to_the_same_checkpoint(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("recipe, settings, why", [
-    ("gguf-q4_0", [], "export format gguf"),
     ("w4a16-rtn", ["ignore=[]"], "keep lm_head in `ignore`"),
 ])
 def test_what_cannot_stream_is_refused_before_any_work(recipe, settings, why, tiny, tmp_path, capsys):
@@ -213,7 +232,7 @@ def test_auto_streams_only_what_does_not_fit(tiny, monkeypatch):
     monkeypatch.setattr(streamed, "available_memory_bytes", lambda: 2**20)  # less than the tiny model
     assert streamed.streaming_folder(recipe) == str(tiny)
     gguf = load_recipe("gguf-q4_0", (f"model={tiny}",))
-    assert streamed.streaming_folder(gguf) is None  # cannot stream (a gguf export): resident, as before
+    assert streamed.streaming_folder(gguf) == str(tiny)  # one model.gguf, written from its parts
 
 
 def test_device_names_are_checked(tiny, tmp_path, capsys):

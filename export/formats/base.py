@@ -53,6 +53,11 @@ class ExportFormat(ABC):
         key; formats whose modules are built from the tensors alone find none."""
         return []
 
+    def outer_dtype(self, cfg: ExportConfig) -> torch.dtype:
+        """The dtype a streamed export reads the modules outside the decoder layers in: the one the
+        format casts float tensors to (the same values, half the memory of float32)."""
+        return getattr(torch, cfg.dtype)
+
     def weight_bytes(self, folder: Path) -> int:
         """Bytes of the weight tensors as written (codes, scales, float weights)."""
         return safetensors_bytes(folder)

@@ -22,7 +22,7 @@ from lowbit.export import kv_scales
 from lowbit.export.files import save_tensors
 from lowbit.quantize.runtime.modules import is_quantized_linear
 
-# a streamed export collects each pass's tensors instead of writing them (export/streamed.py)
+# a streamed export collects each pass's tensors instead of writing them (export/portions.py)
 _weights_sink: ContextVar[Optional[Callable]] = ContextVar("lowbit_weights_sink", default=None)
 # its last pass wants everything but the tensors: packing every module on the meta device took
 # 3.3 of a 6.9 s export of smollm2-135m

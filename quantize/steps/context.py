@@ -10,7 +10,7 @@ from torch import nn
 from lowbit.calibrate.arch import Arch
 from lowbit.calibrate.observers import cached_kv_absmax, linear_input_absmax
 from lowbit.calibrate.offload import Offload
-from lowbit.calibrate.walker import LayerSource, LayerStore
+from lowbit.calibrate.layer_source import LayerSource, LayerStore
 
 
 @dataclass

@@ -49,6 +49,9 @@ class GGUFFormat(ExportFormat):
     def detects(self, config: dict) -> bool:
         return quant_method(config) == METHOD
 
+    def outer_dtype(self, cfg) -> torch.dtype:
+        return torch.float32  # the token embedding is rounded to its GGML type from float32
+
     def load_tokenizer(self, folder: Path, trust_remote_code: bool):
         from transformers import AutoTokenizer
 

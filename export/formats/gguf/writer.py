@@ -2,12 +2,16 @@
 
 GGUFLinear modules go in as their `weight` bytes unchanged (llama q/k rows reordered whole);
 float linears are rounded by llama.cpp's reference quantizer when the export names a `type`, else
-kept in the export dtype; 1-D tensors (norms, biases) are F32, as llama.cpp keeps them."""
+kept in the export dtype; 1-D tensors (norms, biases) are F32, as llama.cpp keeps them.
+
+Each tensor carries its place in the file (`order`: float tensors in the model's state_dict order,
+then quantized layers in module order, then stacked experts), so a file written a portion of the
+model at a time (parts.py) holds its tensors where the whole model's file does."""
 from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Iterator, NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -20,6 +24,7 @@ from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 
 from ..hf_folder import float_tensors, quantized_modules
 from .names import TensorNames, add_hyperparameters, arch_of, is_router, qk_row_order, stacked_name
+from .parts import Positions, gguf_parts
 from .tokenizer import add_tokenizer
 
 GGUF_RECIPES_HINT = ("GGUF holds GGML block grids: quantize with a gguf recipe (its steps write GGUFLinear "
@@ -31,16 +36,43 @@ class GGUFTensor(NamedTuple):
     data: np.ndarray  # float32/float16 values, or the packed bytes of `ggml_type` (rows, bytes per row)
     ggml_type: object  # gguf.GGMLQuantizationType
     numel: int
+    order: tuple = ()  # its place in the file (Positions)
+
+    @property
+    def shape(self) -> Sequence[int]:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.data.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def array(self) -> np.ndarray:
+        return self.data
 
 
 def write_gguf(path: Path, model: nn.Module, tokenizer, cfg, title: str) -> None:
-    import gguf
-
+    """model.gguf of the model; inside export/portions.py's portions, the portion's tensors are
+    collected instead (gguf_parts), and its last pass writes the file from them."""
     where = f"GGUF export of {title}"
+    arch = arch_of(model.config, where)
+    parts = gguf_parts.get()
+    if parts is not None and parts.collecting:
+        parts.add(model_tensors(model, cfg, arch, where, parts.positions))
+        return
     if tokenizer is None:
         raise ValueError(f"{where}: a .gguf file carries its tokenizer; none was given")
-    arch = arch_of(model.config, where)
-    tensors = list(model_tensors(model, cfg, arch, where))
+    tensors = parts.stored() if parts is not None else list(model_tensors(model, cfg, arch, where))
+    _write_file(path, model, tokenizer, cfg, title, arch, sorted(tensors, key=lambda t: t.order))
+
+
+def _write_file(path: Path, model: nn.Module, tokenizer, cfg, title: str, arch, tensors: list) -> None:
+    """Header, metadata, tokenizer and tensor infos, then each tensor's data as it is read."""
+    import gguf
+
     writer = gguf.GGUFWriter(str(path), arch.name)
     with out_of_space_names(path):
         try:
@@ -48,23 +80,27 @@ def write_gguf(path: Path, model: nn.Module, tokenizer, cfg, title: str) -> None
             add_hyperparameters(writer, model.config, arch)
             writer.add_file_type(file_type(tensors, cfg.dtype))
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-            add_tokenizer(writer, tokenizer, model.config.vocab_size, where)
+            add_tokenizer(writer, tokenizer, model.config.vocab_size, f"GGUF export of {title}")
             for t in tensors:
-                writer.add_tensor(t.name, t.data, raw_dtype=t.ggml_type)
+                writer.add_tensor_info(t.name, t.shape, t.dtype, t.nbytes, raw_dtype=t.ggml_type)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
+            writer.write_ti_data_to_file()
+            for t in tensors:
+                writer.write_tensor_data(t.array())
         finally:
             writer.close()
 
 
-def model_tensors(model: nn.Module, cfg, arch, where: str) -> Iterator[GGUFTensor]:
+def model_tensors(model: nn.Module, cfg, arch, where: str, positions: Optional[Positions] = None) -> Iterator[GGUFTensor]:
     """Every tensor the file holds, by its .gguf name; a tied lm_head is not among them (llama.cpp
     reads token_embd for the output then, as convert_hf_to_gguf leaves it out). Routed experts'
-    weights come out as one stacked tensor per projection and layer."""
+    weights come out as one stacked tensor per projection and layer. positions: where each tensor
+    goes in the whole model's file (default: as `model` orders them)."""
     names = TensorNames(arch, model.config.num_hidden_layers)
+    positions = positions or Positions.of(model)
     experts: dict[str, dict[int, GGUFTensor]] = {}
-    for t in _tensors_by_hf_name(model, cfg, arch, names, where):
+    for t in _tensors_by_hf_name(model, cfg, arch, names, where, positions):
         stacked = stacked_name(t.name)
         if stacked is None:
             yield t._replace(name=_gguf_name(names, t.name, where))
@@ -74,7 +110,8 @@ def model_tensors(model: nn.Module, cfg, arch, where: str) -> Iterator[GGUFTenso
         yield _stacked(_gguf_name(names, hf_name, where), by_index, hf_name, where)
 
 
-def _tensors_by_hf_name(model: nn.Module, cfg, arch, names: TensorNames, where: str) -> Iterator[GGUFTensor]:
+def _tensors_by_hf_name(model: nn.Module, cfg, arch, names: TensorNames, where: str,
+                        positions: Positions) -> Iterator[GGUFTensor]:
     quantized = quantized_modules(model)
     for name, module in quantized.items():
         if not isinstance(module, GGUFLinear):
@@ -83,24 +120,28 @@ def _tensors_by_hf_name(model: nn.Module, cfg, arch, names: TensorNames, where: 
     embedding = _param_name(model, model.get_input_embeddings().weight)
     linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     for hf_name, tensor in float_tensors(model, quantized, torch.float32).items():
+        if tensor.is_meta:  # outside the portion being written (export/portions.py)
+            continue
         order = qk_row_order(model.config, hf_name, arch)
         tensor = tensor if order is None else tensor[order]
+        place = positions.tensor(hf_name)
         if is_router(names.gguf_name(hf_name) or ""):  # F32; a shared expert's [1, hidden] gate 1-D
-            yield _float_tensor(hf_name, tensor.squeeze(0) if tensor.shape[0] == 1 else tensor, None, "float32")
+            yield _float_tensor(hf_name, tensor.squeeze(0) if tensor.shape[0] == 1 else tensor, None,
+                                "float32")._replace(order=place)
             continue
         wanted = cfg.embedding_type if hf_name == embedding else cfg.type if hf_name in linears else None
-        yield _float_tensor(hf_name, tensor, wanted, cfg.dtype)
+        yield _float_tensor(hf_name, tensor, wanted, cfg.dtype)._replace(order=place)
         if hf_name == embedding and arch.output_required and _tied(model):  # the output, as the embedding
             yield _float_tensor(_param_name(model, model.get_output_embeddings().weight, skip=embedding), tensor,
-                                wanted, cfg.dtype)
+                                wanted, cfg.dtype)._replace(order=(*place, 1))
     for layer, module in quantized.items():
         order = qk_row_order(model.config, f"{layer}.weight", arch)
         raw = module.weight if order is None else module.weight[order]
         yield GGUFTensor(f"{layer}.weight", raw.cpu().numpy(), module.scheme.ggml_type,
-                         module.in_features * module.out_features)
+                         module.in_features * module.out_features, positions.module(layer, 0))
         if module.bias is not None:
             yield _float_tensor(f"{layer}.bias", module.bias if order is None else module.bias[order], None,
-                                "float32")
+                                "float32")._replace(order=positions.module(layer, 1))
 
 
 def _stacked(name: str, by_index: dict[int, GGUFTensor], hf_name: str, where: str) -> GGUFTensor:
@@ -116,7 +157,8 @@ def _stacked(name: str, by_index: dict[int, GGUFTensor], hf_name: str, where: st
         found = ", ".join(f"expert {e}: {t.ggml_type.name} {tuple(t.data.shape)}" for e, t in enumerate(tensors))
         raise ValueError(f"{where}: {hf_name}: llama.cpp stores a layer's experts as one tensor of one type; "
                          f"give every expert of the layer the same type ({found})")
-    return GGUFTensor(name, np.stack([t.data for t in tensors]), tensors[0].ggml_type, sum(t.numel for t in tensors))
+    return GGUFTensor(name, np.stack([t.data for t in tensors]), tensors[0].ggml_type, sum(t.numel for t in tensors),
+                      Positions.stacked(min(t.order for t in tensors)))
 
 
 def _float_tensor(name: str, tensor: torch.Tensor, wanted: Optional[str], dtype: str) -> GGUFTensor:
@@ -137,14 +179,14 @@ def _float_tensor(name: str, tensor: torch.Tensor, wanted: Optional[str], dtype:
     return GGUFTensor(name, raw, gguf.GGMLQuantizationType.BF16, tensor.numel())
 
 
-def file_type(tensors: list[GGUFTensor], dtype: str):
+def file_type(tensors: list, dtype: str):
     """general.file_type: the type holding most matrix weights (Q4_K with Q6_K beside it: llama.cpp's Q4_K_M)."""
     import gguf
 
     F = gguf.LlamaFileType
     counts = Counter()
     for t in tensors:
-        if t.data.ndim >= 2:
+        if len(t.shape) >= 2:
             counts[t.ggml_type.name] += t.numel
     present = set(counts)
     if "Q4_K" in present:
