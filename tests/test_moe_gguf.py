@@ -31,6 +31,9 @@ CASES = {
     # a dense first layer, sigmoid routing with a selection bias and a shared expert; llama.cpp picks
     # from all experts at once (one group); attention with biases and q/k norms, half of each head rotated
     "glm4_moe": ("gguf-q4_0", dict(moe_intermediate_size=64, n_group=1, topk_group=1, attention_bias=True)),
+    # experts as wide as intermediate_size, with biases (stacked as the weights are), attention sinks,
+    # YaRN rope; transformers reads no gpt-oss GGUF file: llama.cpp itself checks it (test_moe_llama_cpp.py)
+    "gpt_oss": ("gguf-q4_0", dict(intermediate_size=128)),
 }
 TRANSFORMERS_READS = ("qwen3_moe", "qwen2_moe")
 RELOAD = textwrap.dedent("""
@@ -70,6 +73,11 @@ def test_experts_are_stacked_as_llama_cpp_reads_them_and_reload_everywhere(model
             assert t.shape.tolist() == shape
             assert t.tensor_type.name in ("Q4_K", "Q6_K", "Q4_0")
         assert tensors[f"blk.{layer}.ffn_gate_inp.weight"].tensor_type.name == "F32"
+        if model_type == "gpt_oss":
+            for proj, rows in (("gate", inner), ("up", inner), ("down", hidden)):
+                bias = tensors[f"blk.{layer}.ffn_{proj}_exps.bias"]
+                assert bias.shape.tolist() == [rows, EXPERTS] and bias.tensor_type.name == "F32"
+            assert tensors[f"blk.{layer}.attn_sinks.weight"].shape.tolist() == [4]  # one per query head
 
     from lowbit.export.reader import load
     model, _ = load(out)
@@ -117,6 +125,9 @@ def test_experts_of_one_layer_stacked_with_two_types_are_refused_on_write(tmp_pa
 @pytest.mark.parametrize("model_type,overrides,said", [
     ("qwen3_moe", dict(norm_topk_prob=False), ("norm_topk_prob: false", "qwen3moe")),
     ("olmoe", dict(num_key_value_heads=2), ("num_key_value_heads equal to num_attention_heads", "has 2")),
+    ("gpt_oss", dict(layer_types=["full_attention", "sliding_attention"]), ("every other layer from the first",
+                                                                         "layer_types")),
+    ("gpt_oss", dict(swiglu_limit=5.0), ("clamps the SwiGLU at 7.0", "swiglu_limit 5.0")),
 ])
 def test_a_model_llama_cpp_would_compute_differently_stops_before_any_work(model_type, overrides, said, tmp_path,
                                                                           capsys):

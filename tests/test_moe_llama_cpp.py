@@ -38,9 +38,12 @@ CASES = {
     ("olmoe", "gguf-q4_0"): dict(num_key_value_heads=4),  # q/k norms over all heads; routing never renormalized
     # sigmoid routing, selection bias, shared expert, dense first layer, partial rotary, attention biases
     ("glm4_moe", "gguf-q4_0"): dict(n_group=1, topk_group=1, attention_bias=True, routed_scaling_factor=2.5),
+    # YaRN rope, attention sinks and biases, a 32-token window on layer 0 (shorter than a chunk, so it
+    # shows), experts with biases and the clamped SwiGLU, softmax over the top-k router logits
+    ("gpt_oss", "gguf-q4_0"): dict(sliding_window=32),
 }
 
-SHARPENED = ("glm4_moe",)
+SHARPENED = ("glm4_moe", "gpt_oss")
 
 
 def llama_cpp_perplexity(file: Path, text_file: Path) -> float:

@@ -33,6 +33,9 @@ class GGUFArch:
     # DeepSeek-style routing (GLM-4.5): sigmoid scores, a selection bias (`exp_probs_b`), leading dense
     # layers, shared experts counted; llama.cpp reads the top-k normalization and scale from the file
     sigmoid_routing: bool = False
+    # gpt-oss: YaRN RoPE, sliding-window attention on every other layer (the first one sliding),
+    # attention sinks, experts with biases and OpenAI's clamped SwiGLU, whose width llama.cpp always reads
+    gpt_oss: bool = False
 
     @property
     def moe(self) -> bool:
@@ -49,10 +52,14 @@ ARCHS = {
     "olmoe": GGUFArch("olmoe", permute_qk=False, norm_topk=False, output_required=True, kv_heads_equal=True,
                       transformers_reads=False),
     "glm4_moe": GGUFArch("glm4moe", permute_qk=False, transformers_reads=False, sigmoid_routing=True),
+    # NEOX rope; softmax over the top-k router logits (renormalized by construction)
+    "gpt_oss": GGUFArch("gpt-oss", permute_qk=False, norm_topk=True, output_required=True, transformers_reads=False,
+                        gpt_oss=True),
 }
+SWIGLU_LIMIT = 7.0  # llama.cpp's gpt-oss graph clamps the gate and up at ±7 (alpha 1.702), as released
 ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # float32 always, as llama.cpp's converter keeps them
-# a routed expert's linear weight in lowbit's modules: (experts module).(index).(projection).weight
-EXPERT_WEIGHT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>[a-z_0-9]+)\.weight$")
+# a routed expert's linear weight or bias in lowbit's modules: (experts module).(index).(projection).(kind)
+EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>[a-z_0-9]+)\.(?P<kind>weight|bias)$")
 
 
 def arch_of(config, where: str) -> GGUFArch:
@@ -60,11 +67,14 @@ def arch_of(config, where: str) -> GGUFArch:
     if model_type not in ARCHS:
         raise ValueError(f"{where}: GGUF export supports the architectures {sorted(ARCHS)}; this model is "
                          f"{model_type!r}")
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"{where}: GGUF export writes plain RoPE only; this model's rope_parameters.rope_type "
-                         f"is {rope.get('rope_type')!r}")
     arch = ARCHS[model_type]
+    rope = getattr(config, "rope_parameters", None) or {}
+    ropes = ("default", "yarn") if arch.gpt_oss else ("default",)
+    if rope.get("rope_type", "default") not in ropes:
+        raise ValueError(f"{where}: GGUF export writes {' or '.join(ropes)} RoPE for {model_type}; this model's "
+                         f"rope_parameters.rope_type is {rope.get('rope_type')!r}")
+    if arch.gpt_oss:
+        check_gpt_oss(config, where)
     norm = getattr(config, "norm_topk_prob", None)  # absent: the family's own fixed routing (Mixtral's)
     if arch.norm_topk is not None and norm is not None and bool(norm) != arch.norm_topk:
         raise ValueError(f"{where}: llama.cpp's {arch.name} graph {'always' if arch.norm_topk else 'never'} "
@@ -83,6 +93,21 @@ def arch_of(config, where: str) -> GGUFArch:
     return arch
 
 
+def check_gpt_oss(config, where: str) -> None:
+    """What llama.cpp's gpt-oss graph fixes rather than reads: sliding layers alternate from the
+    first, and the SwiGLU clamp."""
+    kinds = list(getattr(config, "layer_types", None) or [])
+    pattern = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config.num_hidden_layers)]
+    if kinds and kinds != pattern:
+        raise ValueError(f"{where}: llama.cpp's gpt-oss graph slides the attention window on every other layer from "
+                         f"the first; this model's config.json has layer_types {kinds}, so llama.cpp would compute "
+                         "another model")
+    limit = getattr(config, "swiglu_limit", SWIGLU_LIMIT)
+    if float(limit) != SWIGLU_LIMIT:
+        raise ValueError(f"{where}: llama.cpp's gpt-oss graph clamps the SwiGLU at {SWIGLU_LIMIT}; this model's "
+                         f"config.json has swiglu_limit {limit}, so llama.cpp would compute another model")
+
+
 class TensorNames:
     """Hugging Face state-dict names <-> .gguf tensor names for one model."""
 
@@ -96,15 +121,16 @@ class TensorNames:
         """The .gguf name, or None for a tensor llama.cpp does not store (RoPE's inv_freq). The router's
         selection bias (`e_score_correction_bias`, a buffer) is the map's `e_score_correction.bias`."""
         hf_name = re.sub(r"\.e_score_correction_bias$", ".e_score_correction.bias", hf_name)
+        hf_name = re.sub(r"\.sinks$", ".sinks.weight", hf_name)  # gpt-oss's attention sinks: `attn_sinks.weight`
         return self._map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
 
 
 def stacked_name(hf_name: str) -> Optional[tuple[str, int]]:
     """(the experts' stacked tensor name, this expert's index) for a routed expert's linear weight
-    (`model.layers.1.mlp.experts.3.gate_proj.weight` -> `model.layers.1.mlp.experts.gate_proj.weight`, 3);
-    None for any other tensor."""
-    m = EXPERT_WEIGHT.match(hf_name)
-    return None if m is None else (f"{m['experts']}.{m['proj']}.weight", int(m["index"]))
+    or bias (`model.layers.1.mlp.experts.3.gate_proj.weight` -> `model.layers.1.mlp.experts.gate_proj.weight`,
+    3); None for any other tensor."""
+    m = EXPERT_TENSOR.match(hf_name)
+    return None if m is None else (f"{m['experts']}.{m['proj']}.{m['kind']}", int(m["index"]))
 
 
 def is_router(gguf_name: str) -> bool:
@@ -158,6 +184,26 @@ def add_hyperparameters(writer, config, arch: GGUFArch) -> None:
         add_expert_hyperparameters(writer, config)
     if arch.sigmoid_routing:
         add_sigmoid_routing(writer, config)
+    if arch.gpt_oss:
+        add_gpt_oss(writer, config, rope)
+
+
+def add_gpt_oss(writer, config, rope: dict) -> None:
+    """The keys llama.cpp's gpt-oss graph reads beyond a MoE's: the window, the experts' width, YaRN."""
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    if rope.get("rope_type") == "yarn":  # as convert_hf_to_gguf writes them
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (("extrapolation_factor", writer.add_rope_scaling_yarn_ext_factor),
+                         ("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
+                         ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(rope[key])
 
 
 def add_expert_hyperparameters(writer, config) -> None:

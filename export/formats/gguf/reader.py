@@ -56,10 +56,11 @@ def read_gguf_tensors(path: Path, model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _split_experts(t, hf_names: list[str], path: Path, gguf) -> dict[str, torch.Tensor]:
     """A stacked experts tensor [experts, rows, ...] as each expert's linear weight (bytes and type,
-    or float values)."""
+    or float values) or bias."""
     floats = t.tensor_type.name in FLOAT_TYPES
     value = _float(t, gguf) if floats else torch.from_numpy(np.array(t.data, dtype=np.uint8))
-    if value.dim() != 3 or value.shape[0] != len(hf_names):
+    dims = 2 if hf_names[0].endswith(".bias") else 3  # gpt-oss's expert biases: [experts, rows]
+    if value.dim() != dims or value.shape[0] != len(hf_names):
         raise ValueError(f"{path}: tensor {t.name} holds {tuple(value.shape)}; the model in config.json has "
                          f"{len(hf_names)} experts there")
     out = {}
