@@ -41,7 +41,9 @@ CASES = {
     # YaRN rope, attention sinks and biases, a 32-token window on layer 0 (shorter than a chunk, so it
     # shows), experts with biases and the clamped SwiGLU, softmax over the top-k router logits
     ("gpt_oss", "gguf-q4_0"): dict(sliding_window=32),
+    ("gpt_oss", "gguf-q8_0"): dict(sliding_window=32),  # its experts MXFP4, as released (SETS)
 }
+SETS = {("gpt_oss", "gguf-q8_0"): ["scheme={gguf: q8_0, types: {'re:.*experts.*': mxfp4}}"]}
 
 SHARPENED = ("glm4_moe", "gpt_oss")
 
@@ -100,7 +102,10 @@ def test_llama_cpp_runs_the_experts_as_lowbit_does(model_type, recipe, tmp_path)
         sharpen(source)
     out = tmp_path / "run"
     assert main(["run", recipe, "--model", str(source), "--output", str(out),
-                 *[f"--set={s}" for s in SMALL_RUN]]) == 0
+                 *[f"--set={s}" for s in (*SMALL_RUN, *SETS.get((model_type, recipe), ()))]]) == 0
+    if any("mxfp4" in s for s in SETS.get((model_type, recipe), ())):
+        types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out / "model.gguf")).tensors}
+        assert types["blk.1.ffn_down_exps.weight"] == types["blk.0.ffn_gate_exps.weight"] == "MXFP4"
     text = load_text("news", part="eval")[:20000]  # text no recipe calibrated on
     (tmp_path / "eval.txt").write_text(text)
     theirs, ours = llama_cpp_perplexity(out / "model.gguf", tmp_path / "eval.txt"), lowbit_perplexity(out, text)

@@ -12,7 +12,8 @@ lowbit's calibrated file and llama.cpp's own round-to-nearest file compare tenso
   row length 32 does not divide stays 16-bit (None here).
 `pure: true` skips the mixture rules (llama-quantize --pure): the base type everywhere.
 `types` sets chosen tensors' types outright (as llama-quantize's --tensor-type does), which is
-how a `lowbit fit` plan reaches a run: each linear's type, or f16 to keep it 16-bit.
+how a `lowbit fit` plan reaches a run: each linear's type, or f16 to keep it 16-bit, or mxfp4
+(the MXFP4 grid, which GGUF stores as GGML's MXFP4: gpt-oss's experts as released).
 """
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ from typing import Optional
 from lowbit.calibrate.arch import matches_name
 from lowbit.calibrate.messages import short_repr
 from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme, fallback_type
+from lowbit.quantize.grids.mxfp4 import BLOCK as MX_BLOCK
+from lowbit.quantize.grids.mxfp4 import MXScheme
 from lowbit.quantize.grids.plan import Assignment, Slot
 
 BASE_TYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
              "q4_k_m": "q4_k", "q6_k": "q6_k"}  # no Q5_K here, so no q4_k_s or q5_k_m
 SIXTEEN_BIT = "rows not a multiple of 32 long: no GGML block fits, kept 16-bit (as llama.cpp does)"
 F16 = "f16"  # in `types`: the tensor stays 16-bit
+MXFP4 = "mxfp4"  # in `types`: the MXFP4 grid (GGML's MXFP4 block in the file)
 PLANNED_SIXTEEN_BIT = "kept 16-bit by the recipe's scheme.types (f16)"
 MORE_BITS_ROLES = ("attn_v", "ffn_down")  # the tensors q4_k_m gives Q6_K in some layers
 # a linear's last name part -> llama.cpp's tensor category (what its mixture rules key on)
@@ -50,9 +54,9 @@ class GGUFTypes:
         if self.gguf not in BASE_TYPE:
             raise ValueError(f"gguf file type must be one of {sorted(BASE_TYPE)}, got {short_repr(self.gguf)}")
         for pattern, kind in self.types.items():
-            if kind not in LAYOUTS and kind != F16:
+            if kind not in LAYOUTS and kind not in (F16, MXFP4):
                 raise ValueError(f"types[{short_repr(pattern)}]: {short_repr(kind)} is not a GGML type; valid: "
-                                 f"{', '.join(sorted(LAYOUTS))}, {F16}")
+                                 f"{', '.join(sorted(LAYOUTS))}, {MXFP4}, {F16}")
 
     @property
     def base(self) -> str:
@@ -79,7 +83,7 @@ class GGUFTypes:
             if kind is None:
                 kept[slot.name] = sixteen_bit_reason(self, slot.name)
             else:
-                grids[slot.name] = GGUFScheme(kind)
+                grids[slot.name] = MXScheme() if kind == MXFP4 else GGUFScheme(kind)
         return grids, kept
 
     def embedding_grid(self, cols: int, tied: bool) -> Optional[GGUFScheme]:
@@ -88,7 +92,7 @@ class GGUFTypes:
         return None if kind is None else GGUFScheme(kind)
 
     def record(self, grids: dict) -> dict:
-        return {"types": {name: grid.type for name, grid in grids.items()}}
+        return {"types": {name: grid.type if grid.FAMILY == "gguf" else grid.FAMILY for name, grid in grids.items()}}
 
     def takes_inputs(self, inputs) -> bool:
         return inputs is None  # a plan of weight formats; no input quantization joins it
@@ -123,6 +127,8 @@ def role_of(name: str) -> str:
 def linear_type(types: GGUFTypes, name: str, layer: int, layers: int, cols: int) -> Optional[str]:
     """The type of the decoder-layer linear `name` (in layer `layer` of `layers`, rows of `cols`)."""
     planned = planned_type(types, name)
+    if planned == MXFP4:
+        return None if cols % MX_BLOCK else MXFP4
     if planned is not None:
         return None if planned == F16 else fallback_type(planned, cols)
     kind = types.base

@@ -11,11 +11,10 @@ import torch
 
 from lowbit.calibrate.model_config import read_config
 from lowbit.export import kv_scales
-from lowbit.quantize.grids.gguf import GGUFScheme
-from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 
 from ..base import ExportFormat
 from ..hf_folder import base_config, quant_method, write_folder_files
+from .modules import module_from_ggml
 from .names import ARCHS
 from .reader import TYPE_SUFFIX, gguf_tensor_bytes, read_gguf_tensors
 from .writer import write_gguf
@@ -26,7 +25,7 @@ METHOD = "gguf"  # config.json's quantization_config.quant_method: marks the for
 
 class GGUFFormat(ExportFormat):
     name = "gguf"
-    summary = ("gguf: one model.gguf (GGML blocks Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K, tokenizer, metadata) "
+    summary = ("gguf: one model.gguf (GGML blocks Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K, MXFP4, tokenizer, metadata) "
                "for llama.cpp, Ollama and LM Studio; --type quantizes float linears by llama.cpp's RTN")
 
     def write(self, model, tokenizer, folder: Path, cfg, extra_files: dict[str, str]) -> None:
@@ -66,15 +65,13 @@ class GGUFFormat(ExportFormat):
         for key in [k for k in tensors if k.endswith(TYPE_SUFFIX)]:
             layer = key.removesuffix(TYPE_SUFFIX)
             ggml_type = int(tensors.pop(key))
-            scheme = _scheme(ggml_type, layer, where)
             raw = tensors.pop(f"{layer}.weight")
             bias = tensors.pop(f"{layer}.bias", None)
             native = model.get_submodule(layer)
-            module = GGUFLinear(native.in_features, native.out_features, scheme, bias is not None)
-            if tuple(raw.shape) != tuple(module.weight.shape):
-                raise ValueError(f"{where}: {layer} holds {tuple(raw.shape)} bytes of {scheme.type}; the model "
-                                 f"in config.json needs {tuple(module.weight.shape)}")
-            module.weight.copy_(raw)
+            try:
+                module = module_from_ggml(ggml_type, raw, native.in_features, native.out_features, bias is not None)
+            except ValueError as err:
+                raise ValueError(f"{where}: {layer}: {err}") from None
             if bias is not None:
                 module.bias = bias.float().clone()
             model.set_submodule(layer, module)
@@ -106,13 +103,3 @@ def _transformers_reads(folder: Path) -> bool:
     """Whether the checkpoint's config says transformers' gguf_file= loader reads it (older folders: yes)."""
     config = read_config(str(folder))
     return config.get("quantization_config", {}).get("transformers_reads", True)
-
-
-def _scheme(ggml_type: int, layer: str, where: str) -> GGUFScheme:
-    import gguf
-
-    name = gguf.GGMLQuantizationType(ggml_type).name.lower()
-    try:
-        return GGUFScheme(name)
-    except ValueError as err:
-        raise ValueError(f"{where}: {layer}: {err}") from None

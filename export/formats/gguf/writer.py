@@ -1,6 +1,7 @@
 """Writing model.gguf with the `gguf` package's GGUFWriter: metadata, tokenizer, then every tensor.
 
-GGUFLinear modules go in as their `weight` bytes unchanged (llama q/k rows reordered whole);
+GGUFLinear modules go in as their `weight` bytes unchanged, MXFP4Linear ones as GGML MXFP4 blocks
+(modules.py; llama q/k rows reordered whole);
 float linears are rounded by llama.cpp's reference quantizer when the export names a `type`, else
 kept in the export dtype; 1-D tensors (norms, biases) are F32, as llama.cpp keeps them.
 
@@ -20,14 +21,14 @@ from torch import nn
 from lowbit.export.files import out_of_space_names
 from lowbit.quantize.grids.gguf import GGUFScheme, fallback_type, quantize_gguf
 from lowbit.quantize.grids.gguf_packing import pack
-from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 
 from ..hf_folder import float_tensors, quantized_modules
+from .modules import ggml_tensor
 from .names import TensorNames, add_hyperparameters, arch_of, is_router, qk_row_order, stacked_name
 from .parts import Positions, gguf_parts
 from .tokenizer import add_tokenizer
 
-GGUF_RECIPES_HINT = ("GGUF holds GGML block grids: quantize with a gguf recipe (its steps write GGUFLinear "
+GGUF_RECIPES_HINT = ("GGUF holds GGML block grids and MXFP4: quantize with a gguf recipe (its steps write GGUFLinear "
                      "modules), or export the float model with --type")
 
 
@@ -92,7 +93,8 @@ def _write_file(path: Path, model: nn.Module, tokenizer, cfg, title: str, arch, 
             writer.close()
 
 
-def model_tensors(model: nn.Module, cfg, arch, where: str, positions: Optional[Positions] = None) -> Iterator[GGUFTensor]:
+def model_tensors(model: nn.Module, cfg, arch, where: str,
+                  positions: Optional[Positions] = None) -> Iterator[GGUFTensor]:
     """Every tensor the file holds, by its .gguf name; a tied lm_head is not among them (llama.cpp
     reads token_embd for the output then, as convert_hf_to_gguf leaves it out). Routed experts'
     weights come out as one stacked tensor per projection and layer. positions: where each tensor
@@ -113,8 +115,9 @@ def model_tensors(model: nn.Module, cfg, arch, where: str, positions: Optional[P
 def _tensors_by_hf_name(model: nn.Module, cfg, arch, names: TensorNames, where: str,
                         positions: Positions) -> Iterator[GGUFTensor]:
     quantized = quantized_modules(model)
+    stored = {name: ggml_tensor(module) for name, module in quantized.items()}
     for name, module in quantized.items():
-        if not isinstance(module, GGUFLinear):
+        if stored[name] is None:
             raise ValueError(f"{where}: layer {name} is a {type(module).__name__}, which GGUF cannot hold. "
                              f"{GGUF_RECIPES_HINT}")
     embedding = _param_name(model, model.get_input_embeddings().weight)
@@ -136,8 +139,9 @@ def _tensors_by_hf_name(model: nn.Module, cfg, arch, names: TensorNames, where: 
                                 wanted, cfg.dtype)._replace(order=(*place, 1))
     for layer, module in quantized.items():
         order = qk_row_order(model.config, f"{layer}.weight", arch)
-        raw = module.weight if order is None else module.weight[order]
-        yield GGUFTensor(f"{layer}.weight", raw.cpu().numpy(), module.scheme.ggml_type,
+        raw, ggml_type = stored[layer]
+        raw = raw if order is None else raw[order]
+        yield GGUFTensor(f"{layer}.weight", raw.cpu().numpy(), ggml_type,
                          module.in_features * module.out_features, positions.module(layer, 0))
         if module.bias is not None:
             yield _float_tensor(f"{layer}.bias", module.bias if order is None else module.bias[order], None,
@@ -193,7 +197,8 @@ def file_type(tensors: list, dtype: str):
         return F.MOSTLY_Q4_K_M if "Q6_K" in present else F.MOSTLY_Q4_K_S
     top = counts.most_common(1)[0][0] if counts else {"float32": "F32", "float16": "F16"}.get(dtype, "BF16")
     return {"F32": F.ALL_F32, "F16": F.MOSTLY_F16, "BF16": F.MOSTLY_BF16, "Q8_0": F.MOSTLY_Q8_0,
-            "Q4_0": F.MOSTLY_Q4_0, "Q4_1": F.MOSTLY_Q4_1, "Q5_0": F.MOSTLY_Q5_0, "Q6_K": F.MOSTLY_Q6_K}[top]
+            "Q4_0": F.MOSTLY_Q4_0, "Q4_1": F.MOSTLY_Q4_1, "Q5_0": F.MOSTLY_Q5_0, "Q6_K": F.MOSTLY_Q6_K,
+            "MXFP4": F.MOSTLY_MXFP4_MOE}[top]
 
 
 def _gguf_name(names: TensorNames, hf_name: str, where: str) -> str:
