@@ -25,12 +25,12 @@ from torch import nn
 from lowbit.calibrate.arch import Arch, decoder_layers
 from lowbit.calibrate.layer_source import LayerSource, Portion
 
-from .staging import write_staged
 from .config import ExportConfig
 from .formats.gguf.parts import GGUFParts, Positions, gguf_parts_in
 from .formats.hf_folder import WEIGHTS, weights_to
 from .formats.registry import FORMATS
 from .safetensors_join import join_safetensors, write_part
+from .staging import write_staged
 
 
 # what a portion pass may do besides collecting tensors: audit the resident modules, for instance
@@ -38,11 +38,10 @@ PortionCheck = Callable[[nn.Module, Portion], None]
 
 
 def save_in_portions(model: nn.Module, tokenizer, out_dir: str | Path, cfg: ExportConfig, arch: Arch,
-                  source: LayerSource, extra_files: Optional[dict[str, str]] = None,
-                  check: Optional[PortionCheck] = None, overwrite: bool = False) -> Path:
+                     source: LayerSource, extra_files: Optional[dict[str, str]] = None,
+                     check: Optional[PortionCheck] = None, overwrite: bool = False) -> Path:
     """Write the checkpoint of the model `source` hands out into out_dir, atomically (as checkpoint.save)."""
     out_dir = Path(out_dir)
-
     portions = source.portions(len(decoder_layers(model, arch)))
 
     def write(staging: Path) -> None:
