@@ -1,19 +1,16 @@
 """Write a quantized model as a checkpoint, atomically, and read it back into runtime modules."""
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 from torch import nn
 
-from lowbit.calibrate.arch import arch_for
-from lowbit.calibrate.layer_source import MemoryLayers
-
 from .config import ExportConfig
 from .formats.gguf import GGUF_FILE
 from .formats.hf_folder import CONFIG, INDEX, WEIGHTS
+from .formats.registry import FORMATS
 from .manifest import MANIFEST
-from .portions import save_in_portions
+from .staging import write_staged
 from .reader import load, read_tensors  # noqa: F401  (re-exported: checkpoint.load)
 
 
@@ -23,14 +20,12 @@ def save(model: nn.Module, tokenizer, out_dir: str | Path, cfg: ExportConfig,
 
     The manifest is written last into the staging folder, so a folder at out_dir is always
     whole; a crash leaves at most a hidden `.NAME.partial-*` folder. overwrite: replace a folder
-    lowbit wrote there (output_folder.py), never another. Written as a run writes it
-    (portions.py), the whole model in one portion.
+    lowbit wrote there (output_folder.py), never another. What a run's export (portions.py) does
+    with a model in memory, without its audit and without asking where the decoder layers are
+    (`lowbit export` reads checkpoints of architectures outside lowbit's table too).
     """
-    with warnings.catch_warnings():  # a guessed layout warns of quantization targets: the export needs only
-        warnings.simplefilter("ignore")  # where the decoder layers are
-        arch = arch_for(model)
-    return save_in_portions(model, tokenizer, out_dir, cfg, arch, MemoryLayers(model, arch), extra_files,
-                            overwrite=overwrite)
+    return write_staged(out_dir, overwrite, extra_files,
+                        lambda staging: FORMATS[cfg.format].write(model, tokenizer, staging, cfg, extra_files or {}))
 
 
 def is_checkpoint(folder: Path) -> bool:
