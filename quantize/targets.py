@@ -57,13 +57,22 @@ def slots(model: nn.Module, arch: Arch, names) -> list[Slot]:
     """The named linears as a plan sees them: their rows' length and their decoder layer."""
     layers = len(decoder_layers(model, arch))
     prefix = arch.layers + "."
+    gqa = query_heads_per_kv_head(getattr(model, "config", None))
     out = []
     for name in names:
         module = model.get_submodule(name)  # float, or already quantized when the audit asks
         cols = module.in_features if hasattr(module, "in_features") else linear_weight(module).shape[1]
         layer = int(name[len(prefix):].split(".")[0]) if name.startswith(prefix) else None
-        out.append(Slot(name, cols, layer, layers))
+        out.append(Slot(name, cols, layer, layers, gqa))
     return out
+
+
+def query_heads_per_kv_head(config) -> int:
+    """n_gqa as llama.cpp reads it from a model's config; 1 where the config does not say."""
+    text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return heads // kv_heads if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 else 1
 
 
 def planned_targets(model: nn.Module, arch: Arch, ignore: tuple[str, ...], plan) -> tuple[Targets, dict]:

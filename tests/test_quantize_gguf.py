@@ -7,25 +7,18 @@ import pytest
 import torch
 from gguf import quants
 
+from llama_quantize_bytes import hard_matrix
 from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme, quantize_gguf, round_to_grid
 from lowbit.quantize.grids.gguf_packing import pack, unpack
 
 TYPES = sorted(LAYOUTS)
-LEGACY = ["q4_0", "q4_1", "q5_0", "q8_0"]  # the types gguf 0.19's quants.quantize implements (of ours)
+LEGACY = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]  # the types gguf 0.19's quants.quantize implements (of ours)
 
 
 def _weights(cols=1024, rows=12, seed=0):
     """Rows of several blocks: per-row magnitudes, outliers, all-zero blocks and rows, a constant
-    block, a block of equal and opposite maxima, values too small for an fp16 scale."""
-    gen = torch.Generator().manual_seed(seed)
-    W = torch.randn(rows, cols, generator=gen) * torch.logspace(-3, 0, rows)[:, None]
-    W[0, 5], W[2, 300], W[4, 777] = 40.0, -25.0, 9.0
-    W[1, :256] = 0.0
-    W[3] = 0.0
-    W[5, 256:512] = 0.37
-    W[6, 32:64] = torch.tensor([0.5, -0.5] * 16)
-    W[7, 512:768] *= 1e-9
-    return W
+    block, a block of equal and opposite maxima, values too small for an fp16 scale, heavy tails."""
+    return hard_matrix(seed, rows, cols)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -73,7 +66,8 @@ def test_arbitrary_blocks_unpack_pack_and_dequantize_exactly(kind):
 
 
 def _half_offsets(kind):
-    return {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q4_k": [0, 2], "q6_k": [208]}[kind]
+    return {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2],
+            "q6_k": [208], "iq4_nl": [0], "iq4_xs": [0]}[kind]
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -86,7 +80,7 @@ def test_quantized_fields_round_trip_through_bytes(kind):
         assert mine is None or torch.equal(mine, theirs), field
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
 def test_k_quant_levels_are_nearest_on_their_stored_grid(kind):
     """llama.cpp's last pass rounds each weight to nearest on the fp16/6-bit scales it stores."""
     W = _weights(seed=3)
@@ -105,19 +99,22 @@ def test_error_falls_with_bits_and_k_quants_beat_q4_0():
     assert rmse["q8_0"] < rmse["q6_k"] < rmse["q4_k"] < rmse["q4_0"]
     assert rmse["q4_1"] < rmse["q4_0"]
     assert rmse["q5_0"] < rmse["q4_k"]
+    assert rmse["q5_1"] < rmse["q5_0"] and rmse["q5_k"] < rmse["q4_k"]
+    assert rmse["iq4_nl"] < rmse["q4_0"] and rmse["iq4_xs"] < rmse["q4_0"]  # the non-linear grid fits a bell curve
 
 
 def test_bits_per_weight():
     bits = {k: GGUFScheme(k).bits_per_weight for k in TYPES}
-    assert bits == {"q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q4_k": 4.5, "q6_k": 6.5625, "q8_0": 8.5}
+    assert bits == {"q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0, "q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625,
+                    "q8_0": 8.5, "iq4_nl": 4.5, "iq4_xs": 4.25}
     for kind in TYPES:  # what the packing writes
         data = pack(quantize_gguf(torch.randn(2, 512), GGUFScheme(kind)))
         assert data.numel() * 8 / (2 * 512) == bits[kind]
 
 
 def test_bad_input_is_named():
-    with pytest.raises(ValueError, match="q4_k.*q6_k"):
-        GGUFScheme("q5_k")
+    with pytest.raises(ValueError, match="iq4_nl.*q4_k.*q6_k"):
+        GGUFScheme("q3_k")
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.up_proj.*256"):
         quantize_gguf(torch.randn(4, 288), GGUFScheme("q4_k"), name="layers.0.mlp.up_proj")
     W = torch.randn(4, 64)

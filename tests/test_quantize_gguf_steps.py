@@ -51,6 +51,28 @@ def test_q4_k_m_mixture_and_fallbacks():
         GGUFTypes("q3_k")
 
 
+def test_iq4_file_types_give_q5_k_where_llama_cpp_does_without_an_imatrix():
+    for file_type in ("iq4_nl", "iq4_xs"):
+        t = GGUFTypes(file_type)
+        assert linear_type(t, "model.layers.3.mlp.down_proj", 3, 32, 14336) == "q5_k"  # first eighth: 0-3
+        assert linear_type(t, "model.layers.4.mlp.down_proj", 4, 32, 14336) == file_type
+        assert linear_type(t, "model.layers.9.self_attn.v_proj", 9, 32, 4096, gqa=4) == "q5_k"
+        assert linear_type(t, "model.layers.9.self_attn.v_proj", 9, 32, 4096, gqa=3) == file_type
+        assert linear_type(t, "model.layers.2.mlp.down_proj", 2, 30, 1536) == "q5_k"  # smollm2: 30 layers, 0-2
+        assert linear_type(t, "model.layers.0.mlp.down_proj", 0, 30, 1000) is None  # no 32-block divides 1000
+        assert linear_type(t, "model.layers.4.mlp.down_proj", 4, 32, 14336 + 32) == "iq4_nl"  # IQ4_XS falls back
+        assert linear_type(GGUFTypes(file_type, pure=True), "model.layers.0.mlp.down_proj", 0, 32, 4096) == file_type
+        assert output_type(t, 4096) == "q6_k" and output_type(t, 576) == "q8_0"
+
+
+def test_slots_carry_the_models_query_heads_per_kv_head():
+    from lowbit.quantize.targets import slots
+
+    model = _model(layers=2)  # 4 heads, 2 KV heads
+    (slot,) = slots(model, arch_for(model), ["model.layers.1.self_attn.v_proj"])
+    assert (slot.layer, slot.layers, slot.gqa) == (1, 2, 2)
+
+
 def test_rtn_is_llama_cpp_reference_per_planned_type():
     model = _model(intermediate=256)
     checked = ("model.layers.0.self_attn.v_proj", "model.layers.2.self_attn.v_proj",

@@ -102,7 +102,7 @@ def test_sizes_parse_in_both_units_and_bad_ones_say_what_is_valid():
 
 def test_bad_candidate_types_are_refused(model_dir, capsys):
     assert main(["fit", model_dir, "--format", "gguf", "--budget-bits-per-weight", "5", "--types", "q4_0,q3_k"]) == 2
-    assert "'q3_k' is not a GGML type; valid: q4_0, q4_1, q4_k, q5_0, q6_k, q8_0, f16" in capsys.readouterr().err
+    assert "'q3_k' is not a GGML type; valid: iq4_nl, iq4_xs, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0, f16" in capsys.readouterr().err
     assert main(["fit", model_dir, "--budget-bits-per-weight", "5", "--types", "int4_g64,q4_0"]) == 2
     assert "'q4_0' is not a weight format; valid: int<bits>" in capsys.readouterr().err
     assert main(["fit", model_dir, "--format", "gguf", "--memory", "9MiB", "--kv-formats", "int8"]) == 2

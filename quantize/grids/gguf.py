@@ -1,11 +1,14 @@
-"""GGML's block formats Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K as pure torch functions.
+"""GGML's block formats Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS as pure
+torch functions.
 
 A weight (rows, in_features) is cut into blocks along each row (32 weights; 256 for the
-K-quants, whose super-blocks hold 8 sub-blocks of 32 (Q4_K) or 16 of 16 (Q6_K)). Every format
-here reads as one affine grid per sub-block: value = S · level + M, with S and M built from the
-block's fp16 scale(s) exactly as llama.cpp's and the `gguf` package's dequantizers build them,
-so that `GGUFWeight.dequantize()` equals `gguf.quants.dequantize(packed, type)` bit for bit.
-Byte packing lives in gguf_packing.py, the K-quants' scale search in gguf_kquants.py.
+K-quants and IQ4_XS, whose super-blocks hold 8 sub-blocks of 32 (Q4_K, Q5_K, IQ4_XS) or 16 of 16
+(Q6_K)). Every format here reads as one grid per sub-block: value = S · level + M, with S and M
+built from the block's fp16 scale(s) exactly as llama.cpp's and the `gguf` package's dequantizers
+build them, so that `GGUFWeight.dequantize()` equals `gguf.quants.dequantize(packed, type)` bit for
+bit. The I-quants' levels are indices into a codebook (IQ4: 16 non-uniform int8 values), so their
+value is S · codebook[level]. Byte packing lives in gguf_packing.py, the K-quants' scale search in
+gguf_kquants.py, the I-quants' in gguf_iquants.py.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Optional
 import torch
 
 from lowbit.calibrate.messages import short_repr
-from lowbit.quantize.grids import gguf_kquants
+from lowbit.quantize.grids import gguf_iquants, gguf_kquants
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,13 @@ class _Layout:
     qmin: int  # stored levels, offsets removed (Q4_0 stores level + 8)
     qmax: int
     has_min: bool  # M present (Q4_1's min, Q4_K's dmin · sub-block min)
+    codebook: Optional[tuple[int, ...]] = None  # a level's value before scaling, where not the level itself
+
+    def level_values(self, levels: torch.Tensor) -> torch.Tensor:
+        """What each level (index) stands for, float32, before S and M."""
+        if self.codebook is None:
+            return levels.float()
+        return torch.tensor(self.codebook, dtype=torch.float32, device=levels.device)[levels.long()]
 
 
 SEARCH_BLOCK = 32  # the weights a search (AWQ's) judges together on any GGML grid
@@ -35,20 +45,24 @@ LAYOUTS = {
     "q4_0": _Layout(32, 32, 18, -8, 7, False),
     "q4_1": _Layout(32, 32, 20, 0, 15, True),
     "q5_0": _Layout(32, 32, 22, -16, 15, False),
+    "q5_1": _Layout(32, 32, 24, 0, 31, True),
     "q4_k": _Layout(256, 32, 144, 0, 15, True),
+    "q5_k": _Layout(256, 32, 176, 0, 31, True),
     "q6_k": _Layout(256, 16, 210, -32, 31, False),
+    "iq4_nl": _Layout(32, 32, 18, 0, 15, False, gguf_iquants.VALUES),
+    "iq4_xs": _Layout(256, 32, 136, 0, 15, False, gguf_iquants.VALUES),
 }
 
 
-# llama.cpp's substitute for a type whose block does not divide a row (llama_tensor_get_type's
-# "incompatible tensor" rule): a 32-block type of at least the same precision.
-_FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0"}
+# llama.cpp's substitute for a type whose block does not divide a row (tensor_type_fallback in
+# llama-quant.cpp): a 32-block type of at least the same precision.
+_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "iq4_xs": "iq4_nl"}
 
 
 def fallback_type(type: str, cols: int) -> Optional[str]:
     """The GGUF type llama.cpp writes for rows `cols` long when `type` was asked: `type` itself when
-    its block divides the rows, else Q4_K -> Q5_0 and Q6_K -> Q8_0; None (keep the tensor float)
-    when not even a 32-block divides them."""
+    its block divides the rows, else Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL;
+    None (keep the tensor float) when not even a 32-block divides them."""
     if type not in LAYOUTS:
         raise ValueError(f"GGUF type must be one of {sorted(LAYOUTS)}, got {short_repr(type)}")
     for candidate in (type, _FALLBACK.get(type)):
@@ -123,11 +137,11 @@ class GGUFWeight:
     FAMILY = "gguf"  # its format's key in the registries (runtime module, GPTQ solver)
 
     scheme: GGUFScheme
-    levels: torch.Tensor  # (rows, cols) int16, offsets removed: value = S·level + M
-    d: torch.Tensor  # (rows, blocks) float16: the block scale (super-block scale for K-quants)
-    dmin: Optional[torch.Tensor] = None  # (rows, blocks) float16: Q4_1's min m, Q4_K's dmin
-    sub_scale: Optional[torch.Tensor] = None  # (rows, subs) int16: Q4_K 0..63, Q6_K -128..127
-    sub_min: Optional[torch.Tensor] = None  # (rows, subs) int16: Q4_K 0..63
+    levels: torch.Tensor  # (rows, cols) int16, offsets removed: value = S·level + M (IQ4: a codebook index)
+    d: torch.Tensor  # (rows, blocks) float16: the block scale (super-block scale for K-quants, IQ4_XS)
+    dmin: Optional[torch.Tensor] = None  # (rows, blocks) float16: Q4_1's and Q5_1's min m, Q4_K's and Q5_K's dmin
+    sub_scale: Optional[torch.Tensor] = None  # (rows, subs) int16: Q4_K, Q5_K 0..63, Q6_K -128..127, IQ4_XS -32..31
+    sub_min: Optional[torch.Tensor] = None  # (rows, subs) int16: Q4_K, Q5_K 0..63
 
     def sub_scale_offset(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """S and M per sub-block (rows, cols / sub), float32, multiplied in the dequantizers' order."""
@@ -148,18 +162,14 @@ class GGUFWeight:
 
     def dequantize(self) -> torch.Tensor:
         S, M = self.sub_scale_offset()
-        return grid_values(self.levels, S, M, self.scheme.layout.sub)
+        sub = self.scheme.layout.sub
+        return grid_values(self.levels, _spread(S, sub), None if M is None else _spread(M, sub), self.scheme)
 
 
-def grid_values(levels: torch.Tensor, S: torch.Tensor, M: Optional[torch.Tensor], sub: int) -> torch.Tensor:
-    """Values of levels (..., cols) on sub-block grids S, M (..., cols / sub)."""
-    return affine_values(levels, _spread(S, sub), None if M is None else _spread(M, sub))
-
-
-def affine_values(levels: torch.Tensor, S: torch.Tensor, M: Optional[torch.Tensor]) -> torch.Tensor:
-    """S·level (+ M) per element: one product and one sum, as the dequantizers do (no fused
+def grid_values(levels: torch.Tensor, S: torch.Tensor, M: Optional[torch.Tensor], scheme: GGUFScheme) -> torch.Tensor:
+    """S·value(level) (+ M) per element: one product and one sum, as the dequantizers do (no fused
     multiply-add, and no + 0 that would turn a -0.0 into 0.0)."""
-    values = S * levels.float()
+    values = S * scheme.layout.level_values(levels)
     return values if M is None else values + M
 
 
@@ -170,10 +180,15 @@ def round_to_grid(W: torch.Tensor, S: torch.Tensor, M: Optional[torch.Tensor], s
 
 
 def nearest_levels(W: torch.Tensor, S: torch.Tensor, M: Optional[torch.Tensor], scheme: GGUFScheme) -> torch.Tensor:
-    """Nearest levels of W on per-element grids S, M; level 0 where S is 0 (every level gives
-    the same value there)."""
+    """Nearest levels of W on per-element grids S, M; where S is 0 every level gives the same value,
+    and the level stored is the one whose value is nearest 0."""
     x = W.float() if M is None else W.float() - M
-    q = torch.round(x / torch.where(S == 0, 1.0, S)).clamp(scheme.layout.qmin, scheme.layout.qmax)
+    scaled = x / torch.where(S == 0, 1.0, S)
+    codebook = scheme.layout.codebook
+    if codebook is not None:
+        values = torch.tensor(codebook, dtype=torch.float32, device=W.device)
+        return gguf_iquants.nearest_index(torch.where(S == 0, 0.0, scaled), values)
+    q = torch.round(scaled).clamp(scheme.layout.qmin, scheme.layout.qmax)
     return torch.where(S == 0, 0.0, q).to(torch.int16)
 
 
@@ -214,9 +229,17 @@ def _q5_0(x: torch.Tensor) -> dict:
 
 
 def _q4_1(x: torch.Tensor) -> dict:
+    return _with_min(x, 15)
+
+
+def _q5_1(x: torch.Tensor) -> dict:
+    return _with_min(x, 31)
+
+
+def _with_min(x: torch.Tensor, top: int) -> dict:
     lo, hi = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
-    d = (hi - lo) / 15
-    q = torch.trunc((x - lo) * _inverse(d) + 0.5).clamp(0, 15)
+    d = (hi - lo) / top
+    q = torch.trunc((x - lo) * _inverse(d) + 0.5).clamp(0, top)
     return {"levels": q, "d": d.half(), "dmin": lo.half()}
 
 
@@ -233,5 +256,7 @@ def _round_half_away(v: torch.Tensor) -> torch.Tensor:
     return torch.sign(v) * (whole + torch.floor(2 * (a - whole)))
 
 
-_REFERENCE = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0,
-              "q4_k": gguf_kquants.q4_k_reference, "q6_k": gguf_kquants.q6_k_reference}
+_REFERENCE = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1,
+              "q4_k": gguf_kquants.q4_k_reference, "q5_k": gguf_kquants.q5_k_reference,
+              "q6_k": gguf_kquants.q6_k_reference, "iq4_nl": gguf_iquants.iq4_nl_reference,
+              "iq4_xs": gguf_iquants.iq4_xs_reference}

@@ -1,8 +1,9 @@
-"""llama.cpp's reference (no importance matrix) scale searches for Q4_K and Q6_K, vectorised over
-blocks: quantize_row_q4_K_ref with make_qkx2_quants, quantize_row_q6_K_ref with make_qx_quants
-(ggml-quants.c). Same candidates, same float32 formulas, same tie rules, and every sum taken
-left to right as the C loops take it (a torch .sum() adds in another order, and the searches
-compare near-equal sums: 2 of 24 test blocks chose differently). A C build that fuses a·b + c
+"""llama.cpp's reference (no importance matrix) scale searches for Q4_K, Q5_K and Q6_K, vectorised
+over blocks: quantize_row_q4_K_ref and quantize_row_q5_K_ref with make_qkx2_quants,
+quantize_row_q6_K_ref with make_qx_quants (ggml-quants.c). Same candidates, same float32
+formulas, same tie rules, and every sum taken left to right as the C loops take it (a torch .sum()
+adds in another order, and the searches compare near-equal sums: 2 of 24 test blocks chose
+differently). A C build that fuses a·b + c
 into one FMA rounds differently again; the oracle in tests/ggml_scalar_reference.py is unfused.
 The `gguf` package has no K-quant quantizer to compare bytes with.
 
@@ -16,24 +17,39 @@ import torch
 GROUP_MAX_EPS = 1e-15  # ggml-quants.c: a group below this magnitude is all zero
 
 
+# Q4_K and Q5_K differ only in their levels (0..15, 0..31) and make_qkx2_quants' trial ranges
+# (rmin, rdelta, nstep) without an importance matrix; with one both search llama.cpp's finer ranges
+_KX2_RANGES = {15: (-1.0, 0.1, 20), 31: (-0.5, 0.1, 15)}
+_WEIGHTED_RANGES = (-0.9, 0.05, 36)
+
+
 def q4_k_reference(x: torch.Tensor, weights: torch.Tensor | None = None) -> dict:
     """weights (as x): importance of each weight's error; None: llama.cpp's own (no imatrix)."""
+    return _k_with_min(x, weights, nmax=15)
+
+
+def q5_k_reference(x: torch.Tensor, weights: torch.Tensor | None = None) -> dict:
+    return _k_with_min(x, weights, nmax=31)
+
+
+def _k_with_min(x: torch.Tensor, weights: torch.Tensor | None, nmax: int) -> dict:
+    """Super-blocks of 8 affine sub-blocks of 32, 6-bit scales and mins on fp16 d and dmin."""
     subs = x.reshape(-1, 32)
     if weights is None:
-        av_x = torch.sqrt(_ordered_sum(subs * subs)[:, None] / 32)
-        scales, mins, search_levels = _qkx2(subs, av_x + subs.abs(), nmax=15, rmin=-1.0, rdelta=0.1, nstep=20)
-    else:  # the finer trial ranges llama.cpp searches when it has an importance matrix
-        scales, mins, search_levels = _qkx2(subs, weights.reshape(-1, 32), nmax=15, rmin=-0.9, rdelta=0.05, nstep=36,
-                                            ordered=False)
+        av_x = exact_sqrt(_ordered_sum(subs * subs)[:, None] / 32)
+        rmin, rdelta, nstep = _KX2_RANGES[nmax]
+        scales, mins, search_levels = _qkx2(subs, av_x + subs.abs(), nmax, rmin, rdelta, nstep)
+    else:
+        scales, mins, search_levels = _qkx2(subs, weights.reshape(-1, 32), nmax, *_WEIGHTED_RANGES, ordered=False)
     scales, mins = scales.reshape(-1, 8), mins.reshape(-1, 8)
-    max_scale = scales.amax(dim=1, keepdim=True).clamp(min=0)  # scales are >= 0 as the min is deducted
-    max_min = mins.amax(dim=1, keepdim=True).clamp(min=0)
+    max_scale = _largest_positive(scales)  # scales are >= 0 as the min is deducted
+    max_min = _largest_positive(mins)
     ls = torch.round(_safe_ratio(63.0, max_scale) * scales).clamp(0, 63)
     lm = torch.round(_safe_ratio(63.0, max_min) * mins).clamp(0, 63)
     d, dmin = (max_scale / 63).half(), (max_min / 63).half()
     S = (d.float() * ls).reshape(-1, 1)  # per sub-block of 32
     dm = (dmin.float() * lm).reshape(-1, 1)
-    q = torch.round((subs + dm) / torch.where(S == 0, 1.0, S)).clamp(0, 15)
+    q = torch.round((subs + dm) / torch.where(S == 0, 1.0, S)).clamp(0, nmax)
     levels = torch.where(S == 0, search_levels, q)  # llama.cpp keeps the search's levels there
     return {"levels": levels.reshape(x.shape), "d": d, "dmin": dmin,
             "sub_scale": ls.to(torch.int16), "sub_min": lm.to(torch.int16)}
@@ -93,6 +109,13 @@ def _qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: floa
     return torch.where(flat, 0.0, scale), -lo, torch.where(flat[:, None], 0.0, levels)
 
 
+def _largest_positive(t: torch.Tensor) -> torch.Tensor:
+    """Each row's largest value, or +0.0 where none is positive (C's running maximum from 0: an
+    all-zero block's mins are -0.0, and its dmin is stored as +0.0)."""
+    top = t.amax(dim=1, keepdim=True)
+    return torch.where(top > 0, top, 0.0)
+
+
 def _affine_levels(x, lo, iscale, nmax):
     return torch.round(iscale[:, None] * (x - lo[:, None])).nan_to_num(0.0).clamp(0, nmax)
 
@@ -126,6 +149,12 @@ def _qx(x: torch.Tensor, nmax: int, w: torch.Tensor | None = None, ordered: bool
 def _qx_trial(x, w, iscale, nmax, _sum):
     levels = torch.round(iscale[:, None] * x).clamp(-nmax, nmax - 1)
     return levels, _sum(w * x * levels), _sum(w * levels * levels)
+
+
+def exact_sqrt(t: torch.Tensor) -> torch.Tensor:
+    """sqrtf, correctly rounded: torch's float32 sqrt on CPU is off by an ulp for about one value in
+    seven with AVX-512 kernels, which moved some of llama.cpp's searches; float64's sqrt rounded back is exact."""
+    return torch.sqrt(t.double()).float()
 
 
 def _fast_sum(t: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ lowbit's calibrated file and llama.cpp's own round-to-nearest file compare tenso
 
 - q4_k_m: Q4_K everywhere, Q6_K for attn_v and ffn_down in the layers where llama.cpp spends
   more bits (the first and last eighth of the layers and every third one between);
+- iq4_nl, iq4_xs: the type everywhere, Q5_K for ffn_down in the first eighth of the layers and for
+  attn_v where 4 or more query heads share a KV head (llama.cpp's rules without an imatrix);
 - every quantized file type puts the output matrix (and a tied token embedding, which doubles as
   it) in Q6_K, or Q8_0 for q8_0 files and where rows do not split into 256;
 - a row length the type's block does not divide falls back (Q4_K -> Q5_0, Q6_K -> Q8_0), and a
@@ -27,8 +29,8 @@ from lowbit.quantize.grids.mxfp4 import BLOCK as MX_BLOCK
 from lowbit.quantize.grids.mxfp4 import MXScheme
 from lowbit.quantize.grids.plan import Assignment, Slot
 
-BASE_TYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
-             "q4_k_m": "q4_k", "q6_k": "q6_k"}  # no Q5_K here, so no q4_k_s or q5_k_m
+BASE_TYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0", "q5_1": "q5_1",
+             "q4_k_m": "q4_k", "q6_k": "q6_k", "iq4_nl": "iq4_nl", "iq4_xs": "iq4_xs"}
 SIXTEEN_BIT = "rows not a multiple of 32 long: no GGML block fits, kept 16-bit (as llama.cpp does)"
 F16 = "f16"  # in `types`: the tensor stays 16-bit
 MXFP4 = "mxfp4"  # in `types`: the MXFP4 grid (GGML's MXFP4 block in the file)
@@ -79,7 +81,7 @@ class GGUFTypes:
             if slot.layer is None:
                 kind = output_type(self, slot.cols)
             else:
-                kind = linear_type(self, slot.name, slot.layer, slot.layers, slot.cols)
+                kind = linear_type(self, slot.name, slot.layer, slot.layers, slot.cols, slot.gqa)
             if kind is None:
                 kept[slot.name] = sixteen_bit_reason(self, slot.name)
             else:
@@ -124,17 +126,27 @@ def role_of(name: str) -> str:
     return ROLES.get(name.rpartition(".")[2], "other")
 
 
-def linear_type(types: GGUFTypes, name: str, layer: int, layers: int, cols: int) -> Optional[str]:
-    """The type of the decoder-layer linear `name` (in layer `layer` of `layers`, rows of `cols`)."""
+def linear_type(types: GGUFTypes, name: str, layer: int, layers: int, cols: int, gqa: int = 1) -> Optional[str]:
+    """The type of the decoder-layer linear `name` (in layer `layer` of `layers`, rows of `cols`; `gqa`
+    query heads per KV head)."""
     planned = planned_type(types, name)
     if planned == MXFP4:
         return None if cols % MX_BLOCK else MXFP4
     if planned is not None:
         return None if planned == F16 else fallback_type(planned, cols)
-    kind = types.base
-    if not types.pure and types.gguf == "q4_k_m" and role_of(name) in MORE_BITS_ROLES and use_more_bits(layer, layers):
-        kind = "q6_k"
+    kind = types.base if types.pure else mixture_type(types.gguf, role_of(name), layer, layers, gqa) or types.base
     return fallback_type(kind, cols)
+
+
+def mixture_type(file_type: str, role: str, layer: int, layers: int, gqa: int) -> Optional[str]:
+    """The type llama.cpp's file-type rules give a decoder-layer tensor in place of the base type, or
+    None (as llama_tensor_get_type decides without an imatrix)."""
+    if file_type == "q4_k_m" and role in MORE_BITS_ROLES and use_more_bits(layer, layers):
+        return "q6_k"
+    if file_type in ("iq4_nl", "iq4_xs") and ((role == "attn_v" and gqa >= 4) or
+                                              (role == "ffn_down" and layer < layers // 8)):
+        return "q5_k"
+    return None
 
 
 def output_type(types: GGUFTypes, cols: int) -> Optional[str]:

@@ -4,7 +4,8 @@ importance matrix: the mean squared activation of each input, here the GPTQ Hess
 Each weight's error counts imp[column] · sqrt(σ² + w²) (σ² the row's mean square), llama.cpp's
 imatrix weighting; the searches are llama.cpp's: make_qx_quants' 19 trial scales for the
 symmetric formats (Q8_0, Q4_0, Q5_0; Q6_K's sub-blocks), make_qkx2's trial ranges for the affine
-ones (Q4_1; Q4_K's sub-blocks, with the finer ranges llama.cpp uses given an imatrix). Levels are
+ones (Q4_1, Q5_1; Q4_K's and Q5_K's sub-blocks, with the finer ranges llama.cpp uses given an
+imatrix), and the IQ4 types' 16 trial scales with these weights in place of x². Levels are
 then the nearest on the stored fp16 grid. Not byte-identical to llama.cpp's imatrix path (σ² is
 per row for every type here, sums in torch's order); what matters is that the file holds exactly the grid chosen.
 """
@@ -12,10 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.quantize.grids import gguf_kquants
+from lowbit.quantize.grids import gguf_iquants, gguf_kquants
 from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme, GGUFWeight, round_to_grid
 
 SYMMETRIC_NMAX = {"q8_0": 128, "q4_0": 8, "q5_0": 16}
+# the types whose own reference search takes the weights (the super-block types and the I-quants)
+SEARCHED_WITH_WEIGHTS = {"q4_k": gguf_kquants.q4_k_reference, "q5_k": gguf_kquants.q5_k_reference,
+                         "q6_k": gguf_kquants.q6_k_reference, "iq4_nl": gguf_iquants.iq4_nl_reference,
+                         "iq4_xs": gguf_iquants.iq4_xs_reference}
 
 
 def error_weights(W: torch.Tensor, importance: torch.Tensor, sigma2: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,16 +38,16 @@ def quantize_weighted(W: torch.Tensor, scheme: GGUFScheme, importance: torch.Ten
     rows, kind, block = W.shape[0], scheme.type, scheme.block_size
     x = W.detach().float().reshape(-1, block)
     w = error_weights(W.detach(), importance, sigma2).reshape(-1, block)
-    if kind in ("q4_k", "q6_k"):
-        ref = gguf_kquants.q4_k_reference if kind == "q4_k" else gguf_kquants.q6_k_reference
-        fields = ref(x, w)
+    if kind in SEARCHED_WITH_WEIGHTS:
+        fields = SEARCHED_WITH_WEIGHTS[kind](x, w)
         levels = fields.pop("levels")
         return GGUFWeight(scheme, levels.reshape(rows, -1).to(torch.int16), **{k: v.reshape(rows, -1) for k, v in fields.items()})
     if kind in SYMMETRIC_NMAX:
         scale, _ = gguf_kquants._qx(x, SYMMETRIC_NMAX[kind], w, ordered=False)
         fields = {"d": scale.half().reshape(rows, -1)}
-    else:  # q4_1: value = d·level + m, m <= 0 the block's min
-        scale, min_sub, _ = gguf_kquants._qkx2(x, w, nmax=15, rmin=-1.0, rdelta=0.1, nstep=20, ordered=False)
+    else:  # q4_1, q5_1: value = d·level + m, m <= 0 the block's min
+        scale, min_sub, _ = gguf_kquants._qkx2(x, w, nmax=LAYOUTS[kind].qmax, rmin=-1.0, rdelta=0.1, nstep=20,
+                                               ordered=False)
         fields = {"d": scale.half().reshape(rows, -1), "dmin": (-min_sub).half().reshape(rows, -1)}
     placeholder = GGUFWeight(scheme, torch.zeros(W.shape, dtype=torch.int16), **fields)
     S, M = placeholder.sub_scale_offset()

@@ -46,6 +46,7 @@ class Slot:
     cols: int  # in_features: the rows a grid cuts into groups or blocks
     layer: Optional[int]  # its decoder layer's index; None outside the decoder layers (lm_head)
     layers: int  # decoder layers in the model
+    gqa: int = 1  # query heads per key/value head (llama.cpp's file types give attn_v more bits where >= 4)
 
 
 Assignment = tuple[dict, dict]  # (name -> grid, name -> why it stays 16-bit)

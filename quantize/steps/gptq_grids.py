@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight, affine_values, nearest_levels, quantize_gguf
+from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight, grid_values, nearest_levels, quantize_gguf
 from lowbit.quantize.grids.gguf_weighted import quantize_weighted
 from lowbit.quantize.grids.integer import (IntScheme, compute_scale_zero, fake_quantize_with_codes, grouped,
                                           scale_zero_from_range)
@@ -43,7 +43,7 @@ class GGUFColumnGrid:
     def quantize(self, j: int, w: torch.Tensor) -> torch.Tensor:
         s, m = self.S_t[j], None if self.M_t is None else self.M_t[j]
         q = self.levels_t[j] = nearest_levels(w, s, m, self.scheme)
-        return affine_values(q, s, m)
+        return grid_values(q, s, m, self.scheme)
 
 
 class LazyGGUFColumnGrid(GGUFColumnGrid):

@@ -195,10 +195,12 @@ def file_type(tensors: list, dtype: str):
     present = set(counts)
     if "Q4_K" in present:
         return F.MOSTLY_Q4_K_M if "Q6_K" in present else F.MOSTLY_Q4_K_S
+    if "IQ4_XS" in present:  # beside IQ4_NL where rows do not split into 256, as llama.cpp falls back
+        return F.MOSTLY_IQ4_XS
     top = counts.most_common(1)[0][0] if counts else {"float32": "F32", "float16": "F16"}.get(dtype, "BF16")
     return {"F32": F.ALL_F32, "F16": F.MOSTLY_F16, "BF16": F.MOSTLY_BF16, "Q8_0": F.MOSTLY_Q8_0,
-            "Q4_0": F.MOSTLY_Q4_0, "Q4_1": F.MOSTLY_Q4_1, "Q5_0": F.MOSTLY_Q5_0, "Q6_K": F.MOSTLY_Q6_K,
-            "MXFP4": F.MOSTLY_MXFP4_MOE}[top]
+            "Q4_0": F.MOSTLY_Q4_0, "Q4_1": F.MOSTLY_Q4_1, "Q5_0": F.MOSTLY_Q5_0, "Q5_1": F.MOSTLY_Q5_1,
+            "Q5_K": F.MOSTLY_Q5_K_M, "Q6_K": F.MOSTLY_Q6_K, "IQ4_NL": F.MOSTLY_IQ4_NL, "MXFP4": F.MOSTLY_MXFP4_MOE}[top]
 
 
 def _gguf_name(names: TensorNames, hf_name: str, where: str) -> str:
