@@ -35,18 +35,20 @@ def make_tiny_model(model_type: str, seed: int = 0):
 ARCH_TYPES = ["llama", "qwen2", "gemma3_text", "opt", "gpt2", "phi3", "mistral", "qwen3"]
 
 
-def save_tiny_llama(folder, seed: int = 0, layers: int = 2):
+def save_tiny_llama(folder, seed: int = 0, layers: int = 2, **config):
     """A tiny random llama saved with the smollm2 tokenizer (same vocabulary) into `folder`, a
-    model folder that `lowbit run --model` accepts. Seeded: the same seed writes the same weights."""
+    model folder that `lowbit run --model` accepts. Seeded: the same seed writes the same weights.
+    `config`: LlamaConfig fields to change (e.g. initializer_range)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from lowbit.calibrate.models import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    fields = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                  eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    cfg = LlamaConfig(**{**fields, **config})
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
