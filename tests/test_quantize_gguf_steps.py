@@ -135,7 +135,8 @@ def test_recipe_grid_is_chosen_by_its_keys():
         parse_recipe({"scheme": {"gguf": "q2_k"}, "steps": ["rtn"]}, "test")
 
 
-def test_awq_clip_on_a_gguf_grid_cuts_an_outlier_that_costs_output_error():
+@pytest.mark.parametrize("kind", ["q4_0", "iq4_nl"])
+def test_awq_clip_on_a_gguf_grid_cuts_an_outlier_that_costs_output_error(kind):
     from lowbit.quantize.steps.awq_rounded_clip import search_clip_rounded
 
     gen = torch.Generator().manual_seed(2)
@@ -144,7 +145,7 @@ def test_awq_clip_on_a_gguf_grid_cuts_an_outlier_that_costs_output_error():
     x = torch.randn(4096, 64, generator=gen)
     x[:, 3] *= 0.01  # ... on an input that barely moves the output
     gram = torch.einsum("ngk,ngl->gkl", x.reshape(-1, 2, 32), x.reshape(-1, 2, 32)) / x.shape[0]
-    grid = GGUFScheme("q4_0")
+    grid = GGUFScheme(kind)
 
     def output_error(v):
         return float((x @ (grid.fake_round(v) - w).t()).square().mean())
@@ -153,15 +154,18 @@ def test_awq_clip_on_a_gguf_grid_cuts_an_outlier_that_costs_output_error():
     assert output_error(clipped) < 0.5 * output_error(w)
 
 
-def test_awq_then_gptq_on_gguf_grids_runs_and_passes_the_audit():
+@pytest.mark.parametrize("file_type", ["q4_k_m", "iq4_xs"])
+def test_awq_then_gptq_on_gguf_grids_runs_and_passes_the_audit(file_type):
     from lowbit.quantize.steps import awq
 
     model = _model(layers=2)
     ctx = _ctx(model, samples=8, seq=64)
-    record = awq.apply(ctx, awq.AWQConfig(GGUFTypes("q4_k_m"), grid=4, clip_grid=4))
+    record = awq.apply(ctx, awq.AWQConfig(GGUFTypes(file_type), grid=4, clip_grid=4))
     assert len(record["clipped"]) > 0
-    gptq.apply(ctx, gptq.GPTQConfig(GGUFTypes("q4_k_m")))
-    recipe = parse_recipe({"scheme": {"gguf": "q4_k_m"}, "steps": ["awq", "gptq"]}, "test")
+    result = gptq.apply(ctx, gptq.GPTQConfig(GGUFTypes(file_type)))
+    recipe = parse_recipe({"scheme": {"gguf": file_type}, "steps": ["awq", "gptq"]}, "test")
     assert audit_run(model, recipe, arch_for(model), []).passed
+    if file_type == "iq4_xs":  # rows of 256 take IQ4_XS; the first eighth of 2 layers is none
+        assert set(result["types"].values()) == {"iq4_xs"}
     with pytest.raises(ValueError, match="searches scales for gguf q4_0, but steps\\[1\\].gptq quantizes to gguf q4_k_m"):
         parse_recipe({"steps": [{"awq": {"scheme": {"gguf": "q4_0"}}}, {"gptq": {"scheme": {"gguf": "q4_k_m"}}}]}, "t")
