@@ -76,5 +76,6 @@ def test_file_types_give_each_tensor_llama_quantizes_type(tmp_path, file_type, k
     done = subprocess.run([str(QUANTIZE), str(tmp_path / "f32.gguf"), str(tmp_path / "q.gguf"), file_type.upper(), "1"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    theirs = {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(tmp_path / "q.gguf").tensors if t.name in mine}
+    written = gguf.GGUFReader(tmp_path / "q.gguf").tensors
+    theirs = {t.name: t.tensor_type.name.lower() for t in written if t.name in mine}
     assert theirs == mine

@@ -135,17 +135,20 @@ def _unpack_q4_k(b):
 
 
 def _pack_q5_k(w, q):
-    chunks = (q >> 4).reshape(-1, 4, 2, 32)  # 5th bits: chunk c's weight l at bit 2c, weight 32 + l at 2c + 1
-    shifts = 2 * torch.arange(4, device=q.device).reshape(1, 4, 1) + torch.tensor([0, 1], device=q.device).reshape(1, 1, 2)
-    qh = (chunks.transpose(2, 3) << shifts[:, :, None, :]).sum(dim=(1, 3))  # (blocks, 32), bits never overlap
+    chunks = (q >> 4).reshape(-1, 4, 2, 32)  # 5th bits: (block, 64-weight chunk c, half h, weight l)
+    qh = (chunks << _q5_k_bit(q.device)).sum(dim=(1, 2))  # byte l, bit 2c + h; bits never overlap
     return _half_bytes(w.d), _half_bytes(w.dmin), _k_scales(w), qh.to(torch.uint8), _k_nibbles(q & 0xF)
 
 
 def _unpack_q5_k(b):
     qh = b[:, 16:48].to(torch.int32).reshape(-1, 1, 1, 32)
-    shifts = (2 * torch.arange(4, device=b.device).reshape(4, 1) + torch.tensor([0, 1], device=b.device)).reshape(1, 4, 2, 1)
-    fifth = ((qh >> shifts) & 1).reshape(-1, 256)
+    fifth = ((qh >> _q5_k_bit(b.device)) & 1).reshape(-1, 256)
     return _k_levels(b[:, 48:]) + (fifth << 4), _k_fields(b)
+
+
+def _q5_k_bit(device) -> torch.Tensor:
+    """(1, 4, 2, 1): the qh bit of chunk c's half h, 2c + h."""
+    return (2 * torch.arange(4, device=device)[:, None] + torch.arange(2, device=device)).reshape(1, 4, 2, 1)
 
 
 def _k_scales(w):
@@ -173,7 +176,8 @@ def _k_fields(b):
     s = b[:, 4:16].to(torch.int32)
     ls = torch.cat([s[:, :4] & 63, (s[:, 8:] & 0xF) | ((s[:, :4] >> 6) << 4)], dim=1)
     lm = torch.cat([s[:, 4:8] & 63, (s[:, 8:] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=1)
-    return {"d": _half(b[:, :2]), "dmin": _half(b[:, 2:4]), "sub_scale": ls.to(torch.int16), "sub_min": lm.to(torch.int16)}
+    return {"d": _half(b[:, :2]), "dmin": _half(b[:, 2:4]), "sub_scale": ls.to(torch.int16),
+            "sub_min": lm.to(torch.int16)}
 
 
 def _pack_q6_k(w, q):

@@ -41,7 +41,8 @@ def quantize_weighted(W: torch.Tensor, scheme: GGUFScheme, importance: torch.Ten
     if kind in SEARCHED_WITH_WEIGHTS:
         fields = SEARCHED_WITH_WEIGHTS[kind](x, w)
         levels = fields.pop("levels")
-        return GGUFWeight(scheme, levels.reshape(rows, -1).to(torch.int16), **{k: v.reshape(rows, -1) for k, v in fields.items()})
+        shaped = {k: v.reshape(rows, -1) for k, v in fields.items()}
+        return GGUFWeight(scheme, levels.reshape(rows, -1).to(torch.int16), **shaped)
     if kind in SYMMETRIC_NMAX:
         scale, _ = gguf_kquants._qx(x, SYMMETRIC_NMAX[kind], w, ordered=False)
         fields = {"d": scale.half().reshape(rows, -1)}
