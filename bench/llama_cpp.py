@@ -12,6 +12,10 @@ The tools are built once from the pinned llama.cpp source (bench/llama_cpp_tools
 llama.cpp's and lowbit's, is scored by the same llama-perplexity command; the times are the
 wall-clock seconds each file took to make (lowbit's: its run's quantize and export, from
 results.json). Prints one row per file and, with --json, writes them with the provenance.
+
+What it made and measured is kept in $LOWBIT_CACHE/llama.cpp/bench/<model>/ (memo.json: each file's
+making time and scores, keyed by the file's size and mtime and the protocol), so a second call with
+another --lowbit run scores only that file.
 """
 from __future__ import annotations
 
@@ -31,6 +35,27 @@ from lowbit.calibrate.provenance import provenance
 
 TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k_m", "iq4_nl", "iq4_xs")
 CONVERTER = "convert_hf_to_gguf.py"
+
+
+class Memo:
+    """Results already measured in the work folder, kept across calls; a key names the file (size
+    and mtime) and the protocol, so a changed file or protocol is measured again."""
+
+    def __init__(self, path: Path, protocol: dict):
+        self.path, self.protocol = path, json.dumps(protocol, sort_keys=True)
+        self.table = json.loads(path.read_text()) if path.is_file() else {}
+
+    def key(self, what: str, file: Path) -> str:
+        stat = file.stat()
+        return f"{what} {file.name} {stat.st_size} {stat.st_mtime_ns} {self.protocol}"
+
+    def get(self, what: str, file: Path):
+        return self.table.get(self.key(what, file)) if file.is_file() else None
+
+    def put(self, what: str, file: Path, value):
+        self.table[self.key(what, file)] = value
+        self.path.write_text(json.dumps(self.table, indent=1))
+        return value
 
 
 def run_tool(args: list, what: str, timeout: int = 3600) -> tuple[str, float]:
@@ -131,6 +156,9 @@ def main(argv=None) -> int:
     llama_cpp_tools.build()
     folder = Path(resolve_model_path(args.model))
     work = cache_dir("llama.cpp", "bench", folder.name)
+    protocol = {"calibration": args.calibration, "samples": args.samples, "eval": args.eval, "chunks": args.chunks,
+                "ctx": args.ctx}
+    memo = Memo(work / "memo.json", protocol)
     rows, log = [], lambda text: print(f"[llama_cpp] {text}", file=sys.stderr, flush=True)
     f16 = work / "f16.gguf"
     convert_s = convert(folder, f16)
@@ -138,30 +166,38 @@ def main(argv=None) -> int:
                                                        seq_len=args.ctx), work / "calibration.txt")
     evaluation = work / f"{args.eval}.txt"
     evaluation.write_text(load_text(args.eval, "eval"), encoding="utf-8")
-    log(f"imatrix over {args.samples} x {args.ctx} tokens of {args.calibration}")
-    imatrix_s = imatrix(f16, calib, args.samples, args.ctx, work / "imatrix.gguf")
-    base = base_logits(f16, evaluation, args.chunks, args.ctx, work / "base.kld")
+    imatrix_file = work / "imatrix.gguf"
+    imatrix_s = memo.get("made", imatrix_file)
+    if imatrix_s is None:
+        log(f"imatrix over {args.samples} x {args.ctx} tokens of {args.calibration}")
+        imatrix_s = memo.put("made", imatrix_file, imatrix(f16, calib, args.samples, args.ctx, imatrix_file))
+    base = memo.get("base", f16) or memo.put("base", f16, base_logits(f16, evaluation, args.chunks, args.ctx,
+                                                                      work / "base.kld"))
     rows.append({"file": "F16 (llama.cpp's converter)", "bytes": f16.stat().st_size, **base, "kld_mean": None,
                  "same_top": None, "seconds": round(convert_s, 1) or None})
-    made = [(f"llama.cpp {kind}", work / f"{kind}.gguf", quantize(f16, kind, work / f"{kind}.gguf", None))
-            for kind in args.types]
-    made += [(f"llama.cpp {kind} + imatrix", work / f"{kind}-imatrix.gguf",
-              imatrix_s + quantize(f16, kind, work / f"{kind}-imatrix.gguf", work / "imatrix.gguf"))
-             for kind in args.types]
+    made = []
+    for kind in args.types:
+        for with_imatrix in (False, True):
+            path = work / f"{kind}{'-imatrix' if with_imatrix else ''}.gguf"
+            seconds = memo.get("made", path)
+            if seconds is None:
+                seconds = memo.put("made", path, quantize(f16, kind, path, imatrix_file if with_imatrix else None))
+            made.append((f"llama.cpp {kind}{' + imatrix' if with_imatrix else ''}", path,
+                         seconds + (imatrix_s if with_imatrix else 0)))
     made += [(f"lowbit {name}", path, seconds) for path, name, seconds in lowbit_runs]
     for label, path, seconds in made:
-        log(f"scoring {label}")
-        rows.append({"file": label, "bytes": path.stat().st_size, **score(path, evaluation, work / "base.kld",
-                                                                          args.chunks, args.ctx),
+        scores = memo.get("scores", path)
+        if scores is None:
+            log(f"scoring {label}")
+            scores = memo.put("scores", path, score(path, evaluation, work / "base.kld", args.chunks, args.ctx))
+        rows.append({"file": label, "bytes": path.stat().st_size, **scores,
                      "seconds": None if seconds is None else round(seconds, 1)})
     for row in rows:
         print(json.dumps(row))
     if args.json:
         record = {"command": " ".join(["python bench/llama_cpp.py", *(argv if argv is not None else sys.argv[1:])]),
                   **provenance(), "llama_cpp": llama_cpp_tools.VERSION, "model": args.model,
-                  "protocol": {"calibration": args.calibration, "samples": args.samples, "eval": args.eval,
-                               "chunks": args.chunks, "ctx": args.ctx},
-                  "llama_cpp_files": rows}
+                  "protocol": protocol, "llama_cpp_files": rows}
         args.json.write_text(json.dumps(record, indent=1) + "\n")
     return 0
 

@@ -27,3 +27,15 @@ def test_scores_are_read_from_llama_perplexitys_summary():
 def test_a_lowbit_folder_without_a_gguf_file_is_named(tmp_path):
     with pytest.raises(ValueError, match=f"--lowbit {tmp_path}: no model.gguf"):
         llama_cpp.lowbit_file(tmp_path)
+
+
+def test_the_memo_keeps_a_files_figures_until_the_file_or_the_protocol_changes(tmp_path):
+    made = tmp_path / "q4_0.gguf"
+    made.write_bytes(b"one")
+    memo = llama_cpp.Memo(tmp_path / "memo.json", {"chunks": 40})
+    assert memo.get("scores", made) is None and memo.get("scores", tmp_path / "absent.gguf") is None
+    memo.put("scores", made, {"kld_mean": 0.1})
+    assert llama_cpp.Memo(tmp_path / "memo.json", {"chunks": 40}).get("scores", made) == {"kld_mean": 0.1}
+    assert llama_cpp.Memo(tmp_path / "memo.json", {"chunks": 8}).get("scores", made) is None
+    made.write_bytes(b"other bytes")
+    assert llama_cpp.Memo(tmp_path / "memo.json", {"chunks": 40}).get("scores", made) is None
