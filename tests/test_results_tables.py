@@ -132,3 +132,50 @@ def test_a_run_table_shows_the_runs_figures_and_when_and_where_it_ran(tmp_path):
     assert "| smollm2-135m | mxfp4-gptq | 23.800 | 16.000 | +48.75% | 0.3900 | 0.700 | 113.0 |" in page
     assert '- step `gptq`: `{"dampening_frac": 0.1}`' in page and "- calibration: wiki, 128 samples of 512" in page
     assert "- commit: abc1234" in page and "- CPU: AMD EPYC, 2 cores, 23 GiB" in page and "- GPU: not recorded" in page
+
+
+def run_record(name: str, ppl: float, date: str, model: str = "smollm2-135m") -> dict:
+    return {"lowbit_version": "0.1.0", "model": {"reference": model}, "recipe": {"name": name},
+            "quality": {"perplexity": ppl, "baseline_perplexity": 16.0,
+                        "protocol": {"dataset": "wiki", "tokens_scored": 16384, "context_len": 512, "bos": True,
+                                     "device": "cpu", "dtype": "float32"},
+                        "kl": {"kl_mean": 0.39, "top1_agreement": 0.7, "tokens": 4096}},
+            "memory": {"weight_bytes": 100 * 2**20, "baseline_weight_bytes": 256 * 2**20},
+            "measured": {"date": date, "commit": "abc1234", "cpu": "AMD EPYC, 2 cores, 23 GiB"}}
+
+
+def test_readme_table_shows_each_shipped_recipes_newest_run_only(tmp_path):
+    records = [(tmp_path / "run-w4a16-rtn-old.json", run_record("w4a16-rtn", 30.0, "2026-11-01")),
+               (tmp_path / "run-w4a16-rtn-new.json", run_record("w4a16-rtn", 24.0, "2026-12-05")),
+               (tmp_path / "run-mine.json", run_record("my-own-recipe", 17.0, "2026-12-05")),
+               (tmp_path / "run-other-model.json", run_record("w8a16-rtn", 17.0, "2026-12-05", model="other"))]
+    text = "\n".join(results_tables.readme_table(records))
+    assert "| `w4a16-rtn` | 24.000 | +50.00% | 0.3900 | 0.700 | 100.0 | [json](docs/results/run-w4a16-rtn-new.json) |" in text
+    assert "| unquantized (16-bit checkpoint) | 16.000 | — | — | — | 256.0 | — |" in text
+    assert "30.000" not in text and "my-own-recipe" not in text and "| `w8a16-rtn` |" not in text
+    assert "16384 tokens in windows of 512 with BOS prepended, cpu float32" in text and "commits abc1234" in text
+    assert "No results file in docs/results yet for `fp8-dynamic`," in text  # every shipped recipe is accounted for
+
+
+def test_readme_table_is_rewritten_between_its_markers_only():
+    readme = "intro\n<!-- results-table -->\nhand-typed 99.9\n<!-- /results-table -->\nafter\n"
+    written = results_tables.readme_with_table(readme, [(Path("run-a.json"), run_record("w8a16-rtn", 17.0, "2026-12-05"))])
+    assert written.startswith("intro\n<!-- results-table -->\n") and written.endswith("<!-- /results-table -->\nafter\n")
+    assert "99.9" not in written and "| `w8a16-rtn` | 17.000 |" in written
+    with pytest.raises(ValueError, match="README.md: no <!-- results-table -->"):
+        results_tables.readme_with_table("no markers", [])
+
+
+def test_a_llama_cpp_table_shows_each_files_scores(tmp_path):
+    record = {"date": "2026-12-05", "commit": "abc1234", "cpu": "AMD EPYC, 2 cores", "llama_cpp": "11434.0.0",
+              "model": "smollm2-135m", "protocol": {"calibration": "wiki", "samples": 128, "eval": "news",
+                                                    "chunks": 40, "ctx": 512},
+              "llama_cpp_files": [{"file": "F16 (llama.cpp's converter)", "bytes": 270_900_000, "perplexity": 11.6163,
+                                   "kld_mean": None, "same_top": None, "seconds": 20.0},
+                                  {"file": "lowbit gguf-q4_0-gptq", "bytes": 91_730_000, "perplexity": 12.758,
+                                   "kld_mean": 0.10704, "same_top": 0.8331, "seconds": 300.4}]}
+    (tmp_path / "llama_cpp-x.json").write_text(json.dumps(record))
+    page = results_tables.render_all([tmp_path], tmp_path)[tmp_path / "llama_cpp.md"]
+    assert "| lowbit gguf-q4_0-gptq | 91.73 | 12.758 | 0.1070 | 83.3% | 300.4 |" in page
+    assert "| F16 (llama.cpp's converter) | 270.90 | 11.616 | — | — | 20.0 |" in page
+    assert "imatrix on 128 x 512 tokens of wiki; scored on 40 chunks of 512 tokens of news" in page
