@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.quantize.grids.gguf_kquants import GROUP_MAX_EPS, _fast_sum, _ordered_sum
+from lowbit.quantize.grids.gguf_kquants import GROUP_MAX_EPS, fast_sum, ordered_sum
 
 VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
 TRIES = 7  # quantize_iq4_nl / quantize_iq4_xs: trial scales at (itry + values[0]) / max, itry in -7..7
@@ -72,7 +72,7 @@ def _fit_sums(x, w, inverse, values, ordered):
     """Σ w·q·x and Σ w·q² for the codebook values q nearest inverse · x, each product in C's order."""
     q = values[nearest_index(inverse[:, None] * x, values).long()]
     wq = w * q
-    _sum = _ordered_sum if ordered else _fast_sum
+    _sum = ordered_sum if ordered else fast_sum
     return _sum(wq * x), _sum(wq * q)
 
 

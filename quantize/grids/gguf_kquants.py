@@ -36,7 +36,7 @@ def _k_with_min(x: torch.Tensor, weights: torch.Tensor | None, nmax: int) -> dic
     """Super-blocks of 8 affine sub-blocks of 32, 6-bit scales and mins on fp16 d and dmin."""
     subs = x.reshape(-1, 32)
     if weights is None:
-        av_x = exact_sqrt(_ordered_sum(subs * subs)[:, None] / 32)
+        av_x = exact_sqrt(ordered_sum(subs * subs)[:, None] / 32)
         rmin, rdelta, nstep = _KX2_RANGES[nmax]
         scales, mins, search_levels = _qkx2(subs, av_x + subs.abs(), nmax, rmin, rdelta, nstep)
     else:
@@ -76,7 +76,7 @@ def _qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: floa
     """make_qkx2_quants on rows of x (n, 32) with weights w: scale, min (>= 0, to subtract) and
     levels 0..nmax of the weighted least-squares affine fit over nstep + 1 trial ranges.
     ordered: sums left to right as C does (bit-exact reference); False: torch's faster sums."""
-    _sum = _ordered_sum if ordered else _fast_sum
+    _sum = ordered_sum if ordered else fast_sum
     lo = x.amin(dim=1).clamp(max=0)
     hi = x.amax(dim=1)
     flat = hi == lo
@@ -132,7 +132,7 @@ def _qx(x: torch.Tensor, nmax: int, w: torch.Tensor | None = None, ordered: bool
     zero = signed_max.abs() < GROUP_MAX_EPS
     signed_max = torch.where(zero, 1.0, signed_max)
     w = x * x if w is None else w
-    _sum = _ordered_sum if ordered else _fast_sum
+    _sum = ordered_sum if ordered else fast_sum
     levels, sum_lx, sum_l2 = _qx_trial(x, w, -nmax / signed_max, nmax, _sum)
     scale = torch.where(sum_l2 != 0, sum_lx / torch.where(sum_l2 != 0, sum_l2, 1.0), 0.0)
     best = scale * sum_lx
@@ -157,11 +157,11 @@ def exact_sqrt(t: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(t.double()).float()
 
 
-def _fast_sum(t: torch.Tensor) -> torch.Tensor:
+def fast_sum(t: torch.Tensor) -> torch.Tensor:
     return t.sum(dim=1)
 
 
-def _ordered_sum(t: torch.Tensor) -> torch.Tensor:
+def ordered_sum(t: torch.Tensor) -> torch.Tensor:
     """Row sums of t (n, k) in float32, left to right: k small ops over all n rows at once."""
     columns = t.t().contiguous()  # each column one contiguous run: the loop streams memory
     total = columns[0].clone()
