@@ -201,7 +201,7 @@ def recipe_lines(recipe: dict, calibrated_s) -> list[str]:
     return lines + ([""] if lines else [])
 
 
-# ---------------------------------------------------------------- llama_cpp (bench/llama_cpp.py)
+# ---------------------------------------------------------------- llama_cpp (bench/gguf_vs_llama_cpp.py)
 
 
 def is_llama_cpp(record: dict) -> bool:

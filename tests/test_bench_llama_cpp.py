@@ -1,4 +1,4 @@
-"""bench/llama_cpp.py reads llama-perplexity's summary as llama.cpp prints it (its printf formats,
+"""bench/gguf_vs_llama_cpp.py reads llama-perplexity's summary as llama.cpp prints it (its printf formats,
 tools/perplexity/perplexity.cpp) and refuses a --lowbit folder that holds no GGUF file, by name."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import llama_cpp  # noqa: E402
+import gguf_vs_llama_cpp as llama_cpp  # noqa: E402  (named so: a bench/llama_cpp.py would shadow llama-cpp-python)
 
 
 def test_scores_are_read_from_llama_perplexitys_summary():

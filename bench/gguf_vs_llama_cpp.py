@@ -3,7 +3,7 @@ and KL divergence and top-token agreement against the 16-bit file, on the same c
 neither was calibrated on.
 
     pip install -e ".[llama-cpp]"     # sentencepiece, which llama.cpp's converter imports
-    python bench/llama_cpp.py --lowbit runs/sweep/gguf-q4_0-awq-gptq runs/sweep/gguf-q4_k-gptq --json out.json
+    python bench/gguf_vs_llama_cpp.py --lowbit runs/sweep/gguf-q4_0-awq-gptq runs/sweep/gguf-q4_k-gptq --json out.json
 
 llama.cpp's side is what its users would make: the float model converted by llama.cpp's own
 convert_hf_to_gguf.py (F16), `llama-imatrix` over the calibration text lowbit's recipes use (the
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     for row in rows:
         print(json.dumps(row))
     if args.json:
-        record = {"command": " ".join(["python bench/llama_cpp.py", *(argv if argv is not None else sys.argv[1:])]),
+        record = {"command": " ".join(["python bench/gguf_vs_llama_cpp.py", *(argv if argv is not None else sys.argv[1:])]),
                   **provenance(), "llama_cpp": llama_cpp_tools.VERSION, "model": args.model,
                   "protocol": protocol, "llama_cpp_files": rows}
         args.json.write_text(json.dumps(record, indent=1) + "\n")
