@@ -10,7 +10,6 @@ llama.cpp build; the test that rebuilds it runs where the tools are built.
 """
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import tempfile
 from pathlib import Path
@@ -18,18 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llama_cpp_runs import llama_cpp_tools
+
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "llama_quantize_bytes.safetensors"
 TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 TENSOR = "blk.0.ffn_gate.weight"
 ROWS, COLS = 24, 1024
-
-
-def llama_cpp_tools():
-    spec = importlib.util.spec_from_file_location("llama_cpp_tools", HERE.parent / "bench" / "llama_cpp_tools.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def hard_matrix(seed: int = 0, rows: int = ROWS, cols: int = COLS) -> torch.Tensor:
@@ -51,7 +45,7 @@ def quantized_by_llama_cpp(W: torch.Tensor, types=TYPES) -> dict[str, np.ndarray
     """Each type's bytes (rows, bytes per row) as llama-quantize writes W."""
     import gguf
 
-    quantize = llama_cpp_tools().tool("llama-quantize")
+    quantize = llama_cpp_tools.tool("llama-quantize")
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "f32.gguf"
         write_minimal_llama(source, W.numpy().astype(np.float32))
@@ -104,7 +98,7 @@ def main() -> None:
 
     W = hard_matrix()
     tensors = {"input": W, **{kind: torch.from_numpy(data) for kind, data in quantized_by_llama_cpp(W).items()}}
-    save_file(tensors, str(FIXTURE), metadata={"llama_cpp": llama_cpp_tools().VERSION, "tensor": TENSOR})
+    save_file(tensors, str(FIXTURE), metadata={"llama_cpp": llama_cpp_tools.VERSION, "tensor": TENSOR})
     print(f"wrote {FIXTURE.relative_to(HERE.parent)} ({', '.join(TYPES)})")
 
 

@@ -14,7 +14,7 @@ from llama_quantize_bytes import FIXTURE, TYPES, hard_matrix, llama_cpp_tools, q
 from lowbit.quantize.grids.gguf import GGUFScheme, quantize_gguf
 from lowbit.quantize.grids.gguf_packing import pack
 
-QUANTIZE = llama_cpp_tools().tool("llama-quantize")
+QUANTIZE = llama_cpp_tools.tool("llama-quantize")
 
 
 def lowbit_bytes(W: torch.Tensor, kind: str) -> np.ndarray:

@@ -28,7 +28,7 @@ def iq4_nl_reference(x: torch.Tensor, weights: torch.Tensor | None = None) -> di
     """weights (as x): importance of each weight's error; None: llama.cpp's own (x², no imatrix)."""
     values = codebook(x.device)
     scales = block_scales(x, weights, values)  # (N,) the fitted scale, unrounded
-    inverse = torch.where(scales != 0, 1 / torch.where(scales != 0, scales, 1.0), 0.0)
+    inverse = reciprocal(scales)
     levels = nearest_index(inverse[:, None] * x, values)
     return {"levels": levels, "d": scales[:, None].half()}
 
@@ -40,10 +40,10 @@ def iq4_xs_reference(x: torch.Tensor, weights: torch.Tensor | None = None) -> di
     largest = scales.gather(1, scales.abs().argmax(dim=1, keepdim=True))  # signed, first of equal magnitudes
     largest = torch.where(largest.abs() > 0, largest, 0.0)
     d = -largest / 32  # -0.0 for an all-zero super-block, as C writes it
-    inverse = torch.where(d != 0, 1 / torch.where(d != 0, d, 1.0), 0.0)
+    inverse = reciprocal(d)
     multiplier = torch.round(inverse * scales).clamp(*XS_SUB_RANGE)  # nearest_int: ties to even
     block_scale = (d * multiplier).reshape(-1, 1)  # the unrounded d, as the C rounds against it
-    block_inverse = torch.where(block_scale != 0, 1 / torch.where(block_scale != 0, block_scale, 1.0), 0.0)
+    block_inverse = reciprocal(block_scale)
     levels = nearest_index(block_inverse * blocks, values).reshape(x.shape)
     return {"levels": levels, "d": d.half(), "sub_scale": multiplier.to(torch.int16)}
 
@@ -82,6 +82,11 @@ def nearest_index(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     upper = torch.searchsorted(values, x.contiguous(), right=True).clamp(1, len(values) - 1)  # values[upper-1] <= x
     below, above = values[upper - 1], values[upper]
     return torch.where(x - below < above - x, upper - 1, upper).to(torch.int16)
+
+
+def reciprocal(t: torch.Tensor) -> torch.Tensor:
+    """1 / t, and 0 where t is 0 (the C's `d ? 1/d : 0.f`)."""
+    return torch.where(t != 0, 1 / torch.where(t != 0, t, 1.0), 0.0)
 
 
 def codebook(device) -> torch.Tensor:
