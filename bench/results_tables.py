@@ -1,7 +1,7 @@
 """Markdown tables of the measured results in docs/results/*.json, one file per kind of result.
 
     python bench/results_tables.py            # rewrite docs/results/<kind>.md from every docs/results/*.json,
-                                              # and README.md's results table from their shipped recipes' runs
+                                              # and the tables they make in hand-written pages (results_blocks.py)
     python bench/results_tables.py --check    # exit 1 if a written table is not what the JSON files give
     python bench/results_tables.py A.json B.json --out-dir DIR
 
@@ -20,36 +20,10 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "docs" / "results"
-NOT_RECORDED = "not recorded"
-PROVENANCE = (("date", "date"), ("commit", "commit"), ("cpu", "CPU"), ("gpu", "GPU"))
+from results_blocks import generated_blocks
+from results_markdown import MIB, NOT_RECORDED, RESULTS, number, provenance_lines, shown, table
+
 GPU_CHECK_SECTIONS = ("environment", "kernels", "decode", "cuda_tests", "calibration")
-
-
-# ---------------------------------------------------------------- shared markdown pieces
-
-
-def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(row) + " |" for row in rows), ""]
-
-
-def recorded(record: dict, key: str) -> str:
-    """A provenance field from the top level, the environment section (gpu_check) or the measured one
-    (results.json); absent or null is 'not recorded'."""
-    value = record.get(key, (record.get("environment") or record.get("measured") or {}).get(key))
-    return NOT_RECORDED if value in (None, "") else str(value)
-
-
-def provenance_lines(record: dict) -> list[str]:
-    lines = [f"- {label}: {recorded(record, key)}" for key, label in PROVENANCE]
-    lines += [f"- {key}: {record[key]}" for key in ("command", "note") if record.get(key)]
-    return lines + [""]
-
-
-def number(value, digits: int) -> str:
-    return "—" if value is None else f"{value:.{digits}f}"
 
 
 # ---------------------------------------------------------------- gpu_check (bench/gpu_check.py)
@@ -161,9 +135,6 @@ def scale_section(record: dict) -> list[str]:
 
 # ---------------------------------------------------------------- run (a `lowbit run`'s results.json)
 
-MIB = 2**20
-
-
 def is_run(record: dict) -> bool:
     return "lowbit_version" in record and isinstance(record.get("quality"), dict)
 
@@ -222,86 +193,6 @@ def llama_cpp_section(record: dict) -> list[str]:
     return lines + table(["file", "MB", "llama-perplexity", "mean KLD", "same top token", "seconds to make"], rows)
 
 
-# ---------------------------------------------------------------- README's results table
-
-README = ROOT / "README.md"
-README_BEGIN, README_END = "<!-- results-table -->", "<!-- /results-table -->"
-RECIPES = ROOT / "recipes"
-
-
-def shipped_runs(records: list[tuple[Path, dict]], model: str) -> list[tuple[Path, dict]]:
-    """The newest run record of each shipped recipe on `model`, in recipes/ order (by name)."""
-    shipped = sorted(path.stem for path in RECIPES.glob("*.yaml"))
-    newest: dict[str, tuple[Path, dict]] = {}
-    for path, record in records:
-        name = (record.get("recipe") or {}).get("name")
-        if name in shipped and (record.get("model") or {}).get("reference") == model:
-            if name not in newest or recorded(record, "date") >= recorded(newest[name][1], "date"):
-                newest[name] = (path, record)
-    return [newest[name] for name in shipped if name in newest]
-
-
-def protocol_text(record: dict) -> str:
-    quality = record["quality"]
-    p, kl = quality.get("protocol") or {}, quality.get("kl") or {}
-    given = {key: p.get(key, NOT_RECORDED) for key in ("dataset", "tokens_scored", "context_len", "device", "dtype")}
-    text = (f"perplexity on the {given['dataset']} evaluation text, {given['tokens_scored']} tokens in windows of "
-            f"{given['context_len']}{' with BOS prepended' if p.get('bos') else ''}, "
-            f"{given['device']} {given['dtype']}")
-    if kl:
-        text += f"; KL and top-1 agreement against the unquantized model on {kl.get('tokens')} tokens"
-    return text
-
-
-def readme_table(records: list[tuple[Path, dict]], model: str = "smollm2-135m") -> list[str]:
-    """The README's one results table: each shipped recipe's newest run on `model`, its figures and
-    where they came from; every figure from a results file in docs/results."""
-    runs = shipped_runs(records, model)
-    if not runs:
-        return [f"No results file in docs/results records a shipped recipe on {model} yet."]
-    protocols = {protocol_text(record) for _, record in runs}
-    bases = {round(record["quality"].get("baseline_perplexity") or 0, 3) for _, record in runs}
-    lines = [f"Each row is a `lowbit run` (quantize, export, reload, evaluate) of a shipped recipe on {model}: "
-             + ("; ".join(sorted(protocols)) if len(protocols) == 1 else "protocols differ between rows, see each file")
-             + f". Dates {', '.join(sorted({recorded(r, 'date') for _, r in runs}))}; commits "
-             + f"{', '.join(sorted({recorded(r, 'commit') for _, r in runs}))}; CPU "
-             + f"{', '.join(sorted({recorded(r, 'cpu') for _, r in runs}))}.", ""]
-    rows = []
-    first = runs[0][1]
-    if len(bases) == 1 and first["quality"].get("baseline_perplexity"):
-        base_bytes = (first.get("memory") or {}).get("baseline_weight_bytes")
-        base_mib = "—" if base_bytes is None else f"{base_bytes / MIB:.1f}"
-        rows.append(["unquantized (16-bit checkpoint)", number(first["quality"]["baseline_perplexity"], 3),
-                     "—", "—", "—", base_mib, "—"])
-    for path, record in runs:
-        quality, memory = record["quality"], record.get("memory") or {}
-        ppl, base, kl = quality.get("perplexity"), quality.get("baseline_perplexity"), quality.get("kl") or {}
-        weights = memory.get("weight_bytes")
-        rows.append([f"`{record['recipe']['name']}`", number(ppl, 3),
-                     "—" if ppl is None or not base else f"{ppl / base - 1:+.2%}", number(kl.get("kl_mean"), 4),
-                     number(kl.get("top1_agreement"), 3), "—" if weights is None else f"{weights / MIB:.1f}",
-                     f"[json](docs/results/{path.name})"])
-    lines += table(["recipe", "perplexity", "vs unquantized", "KL mean", "top-1", "weights MiB", "file"], rows)
-    missing = ", ".join(f"`{name}`" for name in unmeasured(runs))
-    return lines + ([f"No results file in docs/results yet for {missing}."] if missing else [])
-
-
-def unmeasured(runs: list[tuple[Path, dict]]) -> list[str]:
-    measured = {record["recipe"]["name"] for _, record in runs}
-    return [name for name in sorted(path.stem for path in RECIPES.glob("*.yaml")) if name not in measured]
-
-
-def readme_with_table(readme: str, records: list[tuple[Path, dict]]) -> str:
-    """README text with the block between its results-table markers generated anew."""
-    head, begin, rest = readme.partition(README_BEGIN)
-    _, end, tail = rest.partition(README_END)
-    if not begin or not end:
-        raise ValueError(f"{shown(README)}: no {README_BEGIN} ... {README_END} block for the results table")
-    block = ["", "Generated by `python bench/results_tables.py` from docs/results: do not edit by hand.", "",
-             *readme_table(records)]
-    return head + begin + "\n".join(block).rstrip("\n") + "\n" + end + tail
-
-
 # ---------------------------------------------------------------- kinds and files
 
 # kind -> (recognises a record, renders one record's section); the table file is <kind>.md
@@ -335,8 +226,8 @@ def json_files(paths: list[Path]) -> list[Path]:
     return sorted(set(found), key=lambda f: (f.name, str(f)))
 
 
-def run_records(paths: list[Path]) -> list[tuple[Path, dict]]:
-    return [(path, record) for path in json_files(paths) for kind, record in [read_record(path)] if kind == "run"]
+def records_of(kind: str, paths: list[Path]) -> list[tuple[Path, dict]]:
+    return [(path, record) for path in json_files(paths) for found, record in [read_record(path)] if found == kind]
 
 
 def render_all(paths: list[Path], out_dir: Path) -> dict[Path, str]:
@@ -360,14 +251,6 @@ def stale(pages: dict[Path, str]) -> list[Path]:
     return [path for path, text in pages.items() if not path.is_file() or path.read_text(encoding="utf-8") != text]
 
 
-def shown(path: Path) -> str:
-    """A path as the repository names it where it lies inside it."""
-    try:
-        return str(path.resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="*", type=Path, help="JSON files or folders (default: docs/results)")
@@ -376,8 +259,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         pages = render_all(args.paths or [RESULTS], args.out_dir)
-        if not args.paths and args.out_dir == RESULTS:  # the committed results also make the README's table
-            pages[README] = readme_with_table(README.read_text(encoding="utf-8"), run_records([RESULTS]))
+        if not args.paths and args.out_dir == RESULTS:  # the committed results also make the pages' tables
+            pages.update(generated_blocks(records_of("run", [RESULTS]), records_of("llama_cpp", [RESULTS])))
     except (ValueError, OSError) as error:
         print(f"results_tables: {error}", file=sys.stderr)
         return 1

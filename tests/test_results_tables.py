@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 sys.path.insert(0, str(ROOT / "bench"))
+import results_blocks  # noqa: E402
 import results_tables  # noqa: E402
 
 SCALE_JSON = "scale-moe-2026-12-05.json"
@@ -149,7 +150,7 @@ def test_readme_table_shows_each_shipped_recipes_newest_run_only(tmp_path):
                (tmp_path / "run-w4a16-rtn-new.json", run_record("w4a16-rtn", 24.0, "2026-12-05")),
                (tmp_path / "run-mine.json", run_record("my-own-recipe", 17.0, "2026-12-05")),
                (tmp_path / "run-other-model.json", run_record("w8a16-rtn", 17.0, "2026-12-05", model="other"))]
-    text = "\n".join(results_tables.readme_table(records))
+    text = "\n".join(results_blocks.readme_table(records))
     assert "| `w4a16-rtn` | 24.000 | +50.00% | 0.3900 | 0.700 | 100.0 | [json](docs/results/run-w4a16-rtn-new.json) |" in text
     assert "| unquantized (16-bit checkpoint) | 16.000 | — | — | — | 256.0 | — |" in text
     assert "30.000" not in text and "my-own-recipe" not in text and "| `w8a16-rtn` |" not in text
@@ -159,11 +160,11 @@ def test_readme_table_shows_each_shipped_recipes_newest_run_only(tmp_path):
 
 def test_readme_table_is_rewritten_between_its_markers_only():
     readme = "intro\n<!-- results-table -->\nhand-typed 99.9\n<!-- /results-table -->\nafter\n"
-    written = results_tables.readme_with_table(readme, [(Path("run-a.json"), run_record("w8a16-rtn", 17.0, "2026-12-05"))])
+    written = results_blocks.readme_with_table(readme, [(Path("run-a.json"), run_record("w8a16-rtn", 17.0, "2026-12-05"))])
     assert written.startswith("intro\n<!-- results-table -->\n") and written.endswith("<!-- /results-table -->\nafter\n")
     assert "99.9" not in written and "| `w8a16-rtn` | 17.000 |" in written
     with pytest.raises(ValueError, match="README.md: no <!-- results-table -->"):
-        results_tables.readme_with_table("no markers", [])
+        results_blocks.readme_with_table("no markers", [])
 
 
 def test_a_llama_cpp_table_shows_each_files_scores(tmp_path):
@@ -179,3 +180,29 @@ def test_a_llama_cpp_table_shows_each_files_scores(tmp_path):
     assert "| lowbit gguf-q4_0-gptq | 91.73 | 12.758 | 0.1070 | 83.3% | 300.4 |" in page
     assert "| F16 (llama.cpp's converter) | 270.90 | 11.616 | — | — | 20.0 |" in page
     assert "imatrix on 128 x 512 tokens of wiki; scored on 40 chunks of 512 tokens of news" in page
+
+
+def llama_cpp_row(label: str, megabytes: float, kld: float | None) -> dict:
+    return {"file": label, "bytes": int(megabytes * 1e6), "perplexity": 12.0, "kld_mean": kld, "same_top": 0.8,
+            "seconds": 1.0}
+
+
+def test_the_gguf_page_compares_each_type_with_lowbits_best_file_of_that_size(tmp_path):
+    files = [llama_cpp_row("F16 (llama.cpp's converter)", 270.9, None),
+             llama_cpp_row("llama.cpp q4_0", 91.73, 0.30), llama_cpp_row("llama.cpp q4_0 + imatrix", 91.89, 0.20),
+             llama_cpp_row("llama.cpp q8_0 + imatrix", 144.81, 0.004),
+             llama_cpp_row("lowbit gguf-q4_0-gptq", 91.73, 0.14), llama_cpp_row("lowbit gguf-iq4_nl-gptq", 92.06, 0.11),
+             llama_cpp_row("lowbit too-big", 93.0, 0.01)]  # 1.2% over q4_0's imatrix file: not the same size
+    old = {"date": "2026-12-01", "model": "smollm2-135m", "llama_cpp_files": files[:3] + [files[4]]}
+    new = {"date": "2026-12-05", "commit": "abc1234", "cpu": "AMD EPYC", "llama_cpp": "11434.0.0", "model": "smollm2-135m",
+           "protocol": {"calibration": "wiki", "samples": 128, "eval": "news", "chunks": 40, "ctx": 512},
+           "llama_cpp_files": files}
+    text = "\n".join(results_blocks.per_type_table([(tmp_path / "b.json", new), (tmp_path / "a.json", old)]))
+    assert "| Q4_0 | 91.89 | 0.2000 | `gguf-iq4_nl-gptq` | 92.06 | 0.1100 | 0.55x |" in text
+    assert "| Q8_0 | 144.81 | 0.0040 | no lowbit file of this size scored | — | — | — |" in text
+    assert "for 1 of 2 llama.cpp types (Q4_0)" in text and "[json](results/b.json)" in text
+    assert "| Q4_0 |" in text and "llama.cpp q4_0 |" not in text  # only imatrix files are the rival
+    worse = [dict(row, kld_mean=0.15) if row["file"].startswith("lowbit gguf-iq4") else row for row in files]
+    text = "\n".join(results_blocks.per_type_table([(tmp_path / "b.json", dict(new, llama_cpp_files=worse))]))
+    assert "| 0.70x |" in text and "for 0 of 2 llama.cpp types (none)" in text
+    assert results_blocks.per_type_table([], "other")[0].startswith("No bench/gguf_vs_llama_cpp.py results file")
