@@ -24,7 +24,7 @@ from lowbit.calibrate.hardware import resolve_device
 from lowbit.calibrate.models import load_model
 from lowbit.quantize.steps.context import StepContext
 
-from .stepping import apply_step, rank_samples, timer
+from .stepping import ResidentLayers, apply_steps, rank_samples, timer
 
 PEER_EXIT = 3  # a rank's exit code when a collective failed under it: another rank is the cause
 
@@ -115,8 +115,8 @@ def calibrate_only(recipe) -> dict:
     model, tokenizer, _ = load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
                                      allow_pickle=recipe.allow_pickle)
     timed = timer({})
-    ctx = StepContext(model, arch_for(model), recipe.ignore, lambda: rank_samples(recipe, tokenizer, timed),
+    arch = arch_for(model)
+    ctx = StepContext(model, arch, recipe.ignore, lambda: rank_samples(recipe, tokenizer, timed),
                       device=resolve_device(recipe.calibration.device))
-    for step in recipe.steps:
-        apply_step(recipe, ctx, step)
+    apply_steps(recipe, ctx, ResidentLayers(model, arch, lambda index: None), timed)  # rank 0 keeps the layers
     return {}

@@ -5,7 +5,6 @@ import dataclasses
 import gc
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -16,7 +15,6 @@ from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.distributed import broadcast_json, world
 from lowbit.calibrate.hardware import cpu_info, resolve_device
 from lowbit.calibrate.offload import resolve_offload
-from lowbit.calibrate.layer_source import MemoryLayers
 from lowbit.calibrate.models import load_model, local_model_folder
 from lowbit.evaluate.baseline import cached_baseline
 from lowbit.evaluate.placement import placement_of, resolve_placement
@@ -42,8 +40,8 @@ from .lock import output_lock
 from .preflight import preflight, preflight_settings
 from .fit_recipe import resolve_fit
 from .resume import RunProgress
-from .stepping import apply_step, rank_samples, timer
-from .streamed import apply_steps_streamed, load_skeleton, streaming_folder
+from .stepping import ResidentLayers, apply_steps, rank_samples, timer
+from .streamed import StreamedRun, load_skeleton, streaming_folder
 
 TIMINGS = ("load_s", "calibrate_s", "quantize_s", "export_s", "evaluate_s")
 
@@ -104,10 +102,9 @@ def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
     arch = arch_for(model)
     audit = RunAudit(recipe, model, arch)  # what each step should leave, read from the float model
     ctx = step_context(recipe, model, arch, tokenizer, timed, progress)
-    if weights is None:
-        steps, source = apply_steps(recipe, ctx, progress, timed), MemoryLayers(model, arch)
-    else:
-        steps, source = apply_steps_streamed(recipe, ctx, weights, progress, timed)
+    layers = (ResidentLayers(model, arch, lambda index: resident_store(progress, index)) if weights is None
+              else StreamedRun(model, arch, weights, progress))
+    steps, source = apply_steps(recipe, ctx, layers, timed)
     seconds["quantize_s"] = seconds.get("quantize_s", 0.0) - seconds.get("calibrate_s", 0.0)
     audit.noting(steps)
     with timed("export_s"):  # the audit sees each portion before it is written: a failed one publishes nothing
@@ -163,17 +160,10 @@ def model_info(recipe: Recipe, model) -> dict:
     return info if active == info["params"] else {**info, "active_params_per_token": active}
 
 
-def apply_steps(recipe: Recipe, ctx: StepContext, progress: RunProgress, timed) -> list[dict]:
-    """Each step of the recipe in order, its finished layers kept by progress; what each did."""
-    steps = []
-    for index, step in enumerate(recipe.steps):
-        # under torchrun a rank's hidden states are its share only: layers are kept in one process
-        ctx.layer_store = progress.step(index) if world().size == 1 else None
-        start = time.perf_counter()
-        with timed("quantize_s"):
-            detail = apply_step(recipe, ctx, step)
-        steps.append({"name": step.name, "seconds": time.perf_counter() - start, **detail})
-    return steps
+def resident_store(progress: RunProgress, index: int):
+    """Where a resident step keeps its finished layers: under torchrun a rank's hidden states are its
+    share only, so layers are kept in one process alone."""
+    return progress.step(index) if world().size == 1 else None
 
 
 def baseline_now(recipe: Recipe, model) -> bool:

@@ -1,16 +1,21 @@
 """What a run and the ranks that calibrate beside it share: the stage timer, each rank's calibration
-samples, and one step applied with its experts calibrated as the recipe says."""
+samples, and the one loop that applies a recipe's steps over the run's layers, wherever they are
+(ResidentLayers here; a streamed run's in streamed.py): one walk, one audit and one export follow."""
 from __future__ import annotations
 
 import sys
 import time
 from contextlib import contextmanager
+from typing import Callable, Optional, Protocol
 
 import torch
+from torch import nn
 
+from lowbit.calibrate.arch import Arch
 from lowbit.calibrate.data import calibration_batches
 from lowbit.calibrate.distributed import SHARE_UNIT, sample_share, world
 from lowbit.calibrate.experts import calibrating
+from lowbit.calibrate.layer_source import LayerSource, LayerStore, MemoryLayers
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
 from lowbit.recipes.schema import Recipe
@@ -28,10 +33,54 @@ def timer(seconds: dict):
     return timed
 
 
-def apply_step(recipe: Recipe, ctx: StepContext, step) -> dict:
-    """One step of the recipe, its experts calibrated as the recipe says (every rank alike)."""
-    with calibrating(recipe.calibration.experts()):
+class RunLayers(Protocol):
+    """Where a run's decoder layers are while its steps walk them."""
+
+    def store(self, index: int) -> Optional[LayerStore]:
+        """Where step `index` keeps each layer it finishes (resume), or None."""
+
+    def source(self, step, stores: list) -> LayerSource:
+        """Where step `step` loads each layer from, given the stores of the steps before it."""
+
+    def apply(self, ctx: StepContext, step) -> dict:
+        """Run the step; what it did."""
+
+    def finished(self, stores: list) -> LayerSource:
+        """Where the export and the audit read the layers once every step is done."""
+
+
+class ResidentLayers:
+    """The model in memory: each step walks it where it is (MemoryLayers, the walker's own default)."""
+
+    def __init__(self, model: nn.Module, arch: Arch, store_for: Callable[[int], Optional[LayerStore]]):
+        self.memory, self.store_for = MemoryLayers(model, arch), store_for
+
+    def store(self, index: int) -> Optional[LayerStore]:
+        return self.store_for(index)
+
+    def source(self, step, stores: list) -> LayerSource:
+        return self.memory
+
+    def apply(self, ctx: StepContext, step) -> dict:
         return STEPS[step.name].apply(ctx, step.config)
+
+    def finished(self, stores: list) -> LayerSource:
+        return self.memory
+
+
+def apply_steps(recipe: Recipe, ctx: StepContext, layers: RunLayers, timed) -> tuple[list[dict], LayerSource]:
+    """Each step of the recipe in order over `layers`, its experts calibrated as the recipe says (every
+    rank alike); (what each did, the source the export and the audit read from)."""
+    stores, steps = [], []
+    for index, step in enumerate(recipe.steps):
+        ctx.layer_store = layers.store(index)
+        ctx.layer_source = layers.source(step, stores)
+        start = time.perf_counter()
+        with timed("quantize_s"), calibrating(recipe.calibration.experts()):
+            detail = layers.apply(ctx, step)
+        steps.append({"name": step.name, "seconds": time.perf_counter() - start, **detail})
+        stores.append(ctx.layer_store)
+    return steps, layers.finished(stores)
 
 
 def rank_samples(recipe: Recipe, tokenizer, timed) -> torch.Tensor:

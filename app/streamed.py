@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from lowbit.calibrate.deferred_experts import DeferredExperts
-from lowbit.calibrate.experts import calibrating
 from lowbit.calibrate.arch import Arch, decoder_layers, matches_name
 from lowbit.calibrate.checks import check_finite_weights, safetensors_files
 from lowbit.calibrate.distributed import world
@@ -180,26 +179,29 @@ def load_skeleton(recipe: Recipe, folder: str):
     return model, tokenizer, weights, time.perf_counter() - start
 
 
-def apply_steps_streamed(recipe: Recipe, ctx: StepContext, weights: ShardedWeights, progress, timed) -> tuple:
-    """Each step over the streamed layers; (what each did, the source the export reads from)."""
-    stores: list[StepLayers] = []
-    steps = []
-    for index, step in enumerate(recipe.steps):
+class StreamedRun:
+    """A streamed run's layers (stepping.RunLayers): each step reads them from the shards or from the
+    newest step folder that finished them, and keeps each one it finishes (the resume folder is the
+    only place a finished layer lives); a step that walks no data runs one resident layer at a time."""
+
+    def __init__(self, model: nn.Module, arch: Arch, weights: ShardedWeights, progress):
+        self.model, self.arch, self.weights, self.progress = model, arch, weights, progress
+
+    def store(self, index: int) -> StepLayers:
+        return self.progress.step(index, required=True)
+
+    def source(self, step, stores: list) -> StreamedLayers:
+        return StreamedLayers(self.model, self.arch, self.weights, stores, defers_experts(step))
+
+    def apply(self, ctx: StepContext, step) -> dict:
         spec = STEPS[step.name]
-        store = progress.step(index, required=True)
-        ctx.layer_store = store
-        ctx.layer_source = StreamedLayers(ctx.model, ctx.arch, weights, stores, defers_experts(step))
-        start = time.perf_counter()
-        with timed("quantize_s"), calibrating(recipe.calibration.experts()):
-            ctx.observed = observe(ctx, spec.observes(step.config))
-            mode = spec.streamed(step.config)
-            if mode in (WALK, MODEL):  # a walk loads its layers; a MODEL step needs none resident
-                detail = spec.apply(ctx, step.config)
-            else:
-                detail = apply_per_layer(spec, step.config, ctx)
-        steps.append({"name": step.name, "seconds": time.perf_counter() - start, **detail})
-        stores.append(store)
-    return steps, StreamedLayers(ctx.model, ctx.arch, weights, stores)
+        ctx.observed = observe(ctx, spec.observes(step.config))
+        if spec.streamed(step.config) in (WALK, MODEL):  # a walk loads its layers; a MODEL step needs none resident
+            return spec.apply(ctx, step.config)
+        return apply_per_layer(spec, step.config, ctx)
+
+    def finished(self, stores: list) -> StreamedLayers:
+        return StreamedLayers(self.model, self.arch, self.weights, stores)
 
 
 def defers_experts(step) -> bool:
