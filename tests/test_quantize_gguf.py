@@ -142,3 +142,16 @@ def test_k_quant_search_matches_a_scalar_float32_oracle(kind):
         for name, value in fields.items():
             mine = value.reshape(blocks.shape[0], -1)[b]
             assert mine.tolist() == np.atleast_1d(expected[name]).tolist(), (b, name)
+
+
+
+def test_iq4_nearest_index_by_table_equals_a_sorted_search_with_llama_cpps_tie_rule():
+    from lowbit.quantize.grids.gguf_iquants import codebook, nearest_index
+    values = codebook("cpu")
+    at_edges = torch.cat([values, values + 1e-5, values - 1e-5, values.nextafter(values + 1),
+                          values.nextafter(values - 1), (values[1:] + values[:-1]) / 2])  # the last: ties
+    x = torch.cat([torch.randn(100_000) * 80, torch.arange(-140.0, 130.0, 0.25), at_edges,
+                   torch.tensor([float("inf"), float("-inf"), 0.0, -0.0])])
+    upper = torch.searchsorted(values, x, right=True).clamp(1, len(values) - 1)
+    expected = torch.where(x - values[upper - 1] < values[upper] - x, upper - 1, upper)  # a tie: the upper
+    assert torch.equal(nearest_index(x, values).long(), expected)

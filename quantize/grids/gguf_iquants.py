@@ -79,11 +79,20 @@ def _fit_sums(x, w, inverse, values, ordered):
 def nearest_index(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """(int16) index of the value nearest each x, as best_index_int8 picks it: the upper of two at a
     tie, each distance taken in float32."""
-    upper = torch.searchsorted(values, x.contiguous(), right=True).clamp(1, len(values) - 1)  # values[upper-1] <= x
+    upper = _values_at_or_below(x, values).clamp(1, len(values) - 1)  # values[upper-1] <= x, for x >= values[0]
     below, above = values[upper - 1], values[upper]
     return torch.where(x - below < above - x, upper - 1, upper).to(torch.int16)
 
 
+def _values_at_or_below(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """How many codebook values are <= each x (searchsorted right=True), by table: the values are
+    integers, so v <= x exactly when v <= floor(x). A search per element is ~100x slower, and AWQ's
+    and GPTQ's scale searches round whole matrices hundreds of times."""
+    low, high = int(values[0]), int(values[-1])
+    table = torch.searchsorted(values, torch.arange(low - 1, high + 1, dtype=values.dtype, device=values.device),
+                               right=True)
+    at = torch.floor(x.nan_to_num(nan=high)).clamp(low - 1, high) - (low - 1)
+    return table[at.long()]
 def reciprocal(t: torch.Tensor) -> torch.Tensor:
     """1 / t, and 0 where t is 0 (the C's `d ? 1/d : 0.f`)."""
     return torch.where(t != 0, 1 / torch.where(t != 0, t, 1.0), 0.0)
