@@ -137,6 +137,7 @@ def parse_recipe(data: dict, source: str) -> Recipe:
         raise RecipeError(source, "steps", "expected a list of steps such as '- rtn: {bits: 4}'")
     steps = tuple(parse_step(item, source, f"steps[{i}]", recipe.scheme) for i, item in enumerate(steps_data))
     check_search_grids(steps, source)
+    check_first_steps(steps, source)
     return Recipe(**{**recipe.__dict__, "steps": steps})
 
 
@@ -192,6 +193,14 @@ def parse_step(item, source: str, key: str, shared_scheme: Optional[dict] = None
             raise
         raise RecipeError(source, "scheme", f"{key} ({name}) cannot take the recipe's scheme: "
                           f"{str(err).split(': ', 2)[-1]}; give that step its own scheme") from None
+
+
+def check_first_steps(steps: tuple[Step, ...], source: str) -> None:
+    """A step that rewrites the float model (rotate) comes before every step that calibrates on it."""
+    for i, step in enumerate(steps):
+        if i > 0 and STEPS[step.name].runs_first:
+            raise RecipeError(source, f"steps[{i}].{step.name}", "must be the recipe's first step: it rewrites the "
+                              "float model that every later step calibrates on and quantizes")
 
 
 def check_search_grids(steps: tuple[Step, ...], source: str) -> None:

@@ -34,12 +34,13 @@ from lowbit.app.cli import main
 EXAMPLES = int(os.environ.get("LOWBIT_FUZZ_EXAMPLES", "500"))
 WORK = Path(tempfile.mkdtemp(prefix="lowbit-recipe-fuzz-"))
 SHIPPED = [yaml.safe_load(p.read_text()) for p in shipped_recipes().values()]
-STEP_NAMES = ["rtn", "gptq", "awq", "smoothquant", "rtn_mse", "fp8", "kv_cache", "quantize_inputs"]
+STEP_NAMES = ["rtn", "gptq", "awq", "smoothquant", "rtn_mse", "fp8", "kv_cache", "quantize_inputs", "rotate"]
 SCHEME_KEYS = ["bits", "group_size", "symmetric", "strategy", "gguf", "types", "formats", "default", "format",
                "block_size", "inputs"]
 STEP_KEYS = ["scheme", "actorder", "dampening_frac", "scale_search", "scale_refits", "true_sequential", "grid",
              "clip_grid", "max_tokens", "alpha", "alpha_grid", "activations", "rounding", "dynamic", "bits",
-             "format", "strategy", "group_size", "steps", "max_shrink", "clip_tokens", "micro_batch"]
+             "format", "strategy", "group_size", "steps", "max_shrink", "clip_tokens", "micro_batch", "kind", "seed",
+             "check_tokens", "tolerance"]
 PATHS = [  # recipe keys as the schema nests them (a number: a list index)
     ("name",), ("description",), ("model",), ("trust_remote_code",), ("allow_pickle",), ("ignore",),
     ("ignore", 0), ("scheme",), ("steps",), ("steps", 0), ("steps", 1), ("fit",),

@@ -49,3 +49,5 @@ class StepSpec:
     # statistics it reads through ctx (linear_inputs: linear_input_absmax, kv: kv_absmax), which a
     # streamed run observes with a layer walk before the step
     observes: Callable[[Any], Optional[str]] = _nothing
+    # it rewrites the float model every later step calibrates on (rotate): the recipe lists it first
+    runs_first: bool = False
