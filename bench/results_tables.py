@@ -140,21 +140,27 @@ def is_run(record: dict) -> bool:
 
 
 def run_section(record: dict) -> list[str]:
-    """The run's headline: quality against the unquantized model, and the weights' size."""
+    """The run's headline: quality against the unquantized model on each text it scored (the
+    protocol's, then evaluate.held_out's), and the weights' size."""
     recipe, quality, memory = record.get("recipe") or {}, record["quality"], record.get("memory") or {}
-    kl = quality.get("kl") or {}
-    ppl, base = quality.get("perplexity"), quality.get("baseline_perplexity")
-    change = "—" if ppl is None or not base else f"{ppl / base - 1:+.2%}"
     weights = memory.get("weight_bytes")
     lines = provenance_lines(record)
     if recipe.get("description"):
         lines += [f"Recipe `{recipe.get('name', NOT_RECORDED)}`: {recipe['description']}.", ""]
     lines += recipe_lines(recipe, (record.get("timing") or {}).get("calibrate_s"))
-    return lines + table(
-        ["model", "recipe", "perplexity", "unquantized", "change", "KL mean", "top-1", "weights MiB"],
-        [[(record.get("model") or {}).get("reference") or NOT_RECORDED, recipe.get("name", NOT_RECORDED),
-          number(ppl, 3), number(base, 3), change, number(kl.get("kl_mean"), 4), number(kl.get("top1_agreement"), 3),
-          "—" if weights is None else f"{weights / MIB:.1f}"]])
+    texts = {quality.get("dataset") or NOT_RECORDED: quality, **(quality.get("held_out") or {})}
+    rows = [[(record.get("model") or {}).get("reference") or NOT_RECORDED, recipe.get("name", NOT_RECORDED), text,
+             *quality_cells(scores), "—" if weights is None else f"{weights / MIB:.1f}"]
+            for text, scores in texts.items()]
+    return lines + table(["model", "recipe", "text", "perplexity", "unquantized", "change", "KL mean", "top-1",
+                          "weights MiB"], rows)
+
+
+def quality_cells(scores: dict) -> list[str]:
+    """Perplexity, the unquantized model's, the change, KL mean and top-1 agreement of one text."""
+    ppl, base, kl = scores.get("perplexity"), scores.get("baseline_perplexity"), scores.get("kl") or {}
+    change = "—" if ppl is None or not base else f"{ppl / base - 1:+.2%}"
+    return [number(ppl, 3), number(base, 3), change, number(kl.get("kl_mean"), 4), number(kl.get("top1_agreement"), 3)]
 
 
 def recipe_lines(recipe: dict, calibrated_s) -> list[str]:

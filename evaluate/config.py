@@ -145,3 +145,11 @@ class EvaluateConfig:
     lm_eval: LMEvalConfig = field(default_factory=LMEvalConfig)
     # load-time bitsandbytes quantization of the same model, measured with the same protocol
     bnb_baselines: tuple[Literal["nf4", "llm_int8"], ...] = ()
+    # more texts scored as perplexity.dataset is (perplexity, the baseline's, KL): text the recipe did
+    # not calibrate on, e.g. [news, reviews] for a recipe calibrated on wiki
+    held_out: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        named = [name for name in self.held_out if name != self.perplexity.dataset]
+        if "" in named or len(set(named)) != len(named):
+            raise ValueError(f"held_out: each text once and none empty, got {short_repr(list(self.held_out))}")

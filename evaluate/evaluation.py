@@ -10,6 +10,7 @@ evaluate() returns.
 """
 from __future__ import annotations
 
+import dataclasses
 from importlib.metadata import version
 from pathlib import Path
 from typing import Optional
@@ -48,7 +49,9 @@ def evaluate(target: str | Path, cfg: EvaluateConfig, reference: Optional[Refere
         baseline_perplexity=baseline_perplexity(reference, tokenizer, cfg),
         dataset=cfg.perplexity.dataset,
         protocol={**plain(cfg.perplexity), **measured, **where},
-        **quality_extras(model, tokenizer, cfg, reference, model_name))
+        **quality_extras(model, tokenizer, cfg, reference, model_name),
+        held_out={name: held_out_quality(model, tokenizer, cfg, reference, name) for name in cfg.held_out
+                  if name != cfg.perplexity.dataset} or None)
     speed = baselines = None
     if cfg.speed.enabled:
         from .speed import speed_on_devices
@@ -66,6 +69,15 @@ def evaluate(target: str | Path, cfg: EvaluateConfig, reference: Optional[Refere
         recipe={"name": f"eval {Path(target).name or target}", "evaluate": plain(cfg)},
         quality=quality, memory=Memory(weight_bytes=weight_bytes, **memory), speed=speed, baselines=baselines,
         measured=provenance())
+
+
+def held_out_quality(model, tokenizer, cfg: EvaluateConfig, reference: Reference, dataset: str) -> dict:
+    """Perplexity, the baseline's and KL on another text, under the same protocol otherwise."""
+    cfg = dataclasses.replace(cfg, perplexity=dataclasses.replace(cfg.perplexity, dataset=dataset),
+                              lm_eval=dataclasses.replace(cfg.lm_eval, tasks=()))
+    extras = quality_extras(model, tokenizer, cfg, reference, reference.name or "")
+    return {"perplexity": perplexity(model, tokenizer, cfg.perplexity)["perplexity"],
+            "baseline_perplexity": baseline_perplexity(reference, tokenizer, cfg), **extras}
 
 
 def baseline_perplexity(reference: Reference, tokenizer, cfg: EvaluateConfig) -> Optional[float]:

@@ -48,9 +48,11 @@ class Quality:
     kl: Optional[dict] = None  # KL(reference || model), top-1 agreement; when enabled and a reference exists
     lm_eval: Optional[dict] = None  # lm-eval task scores; when tasks are asked for
     baseline_lm_eval: Optional[dict] = None  # the reference's scores on the same tasks (cached)
+    # evaluate.held_out: per text, its perplexity, the baseline's and KL (as enabled), same protocol
+    held_out: Optional[dict] = None
 
     def to_dict(self) -> dict:
-        return _without_unmeasured(self, ("kl", "lm_eval", "baseline_lm_eval"))
+        return _without_unmeasured(self, ("kl", "lm_eval", "baseline_lm_eval", "held_out"))
 
 
 @dataclass(frozen=True)

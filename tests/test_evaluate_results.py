@@ -60,3 +60,33 @@ def test_run_and_eval_of_its_checkpoint_write_one_schema_and_the_same_figures(tm
     # the int8 KV cache the checkpoint holds, read from the reloaded model: 1 byte per element
     assert evaluated["memory"]["predicted"]["kv_bytes_per_element"] == 1.0
     assert evaluated["memory"]["baseline_predicted"]["kv_bytes_per_element"] == 2.0
+
+
+def test_held_out_texts_are_scored_as_the_protocols_text_is_and_rendered_as_rows(tmp_path, monkeypatch):
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    import results_tables
+
+    model_dir = save_tiny_llama(tmp_path / "tiny")
+    run_dir, eval_dir = tmp_path / "run", tmp_path / "eval"
+    held_out = ["--set", "evaluate.held_out=[news, wiki, reviews]"]  # wiki is the protocol's own text: once
+    assert main(["run", "w4a16-rtn", "--model", str(model_dir), "--output", str(run_dir),
+                 "--set", "calibration.samples=4", *QUICK_EVAL, *held_out]) == 0
+    assert main(["eval", str(run_dir), "--output", str(eval_dir), *QUICK_EVAL, *held_out]) == 0
+    ran = json.loads((run_dir / "results.json").read_text())
+    evaluated = json.loads((eval_dir / "results.json").read_text())
+    scored = ran["quality"]["held_out"]
+    assert set(scored) == {"news", "reviews"} and ran["quality"]["dataset"] == "wiki"
+    for text, scores in scored.items():
+        assert scores["perplexity"] > 1 and scores["baseline_perplexity"] > 1 and scores["kl"]["kl_mean"] > 0
+        assert scores["perplexity"] != ran["quality"]["perplexity"], text  # another text, another figure
+    assert evaluated["quality"]["held_out"] == scored
+    page = results_tables.render_all([run_dir / "results.json"], tmp_path)[tmp_path / "run.md"]
+    news = scored["news"]
+    assert f"| news | {news['perplexity']:.3f} | {news['baseline_perplexity']:.3f} |" in page
+    assert "| wiki |" in page and "| reviews |" in page
+
+
+def test_a_held_out_text_listed_twice_is_refused_by_key(tmp_path):
+    assert main(["run", "w4a16-rtn", "--dry-run", "--output", str(tmp_path / "x"),
+                 "--set", "evaluate.held_out=[news, news]"]) == 2

@@ -130,7 +130,7 @@ def test_a_run_table_shows_the_runs_figures_and_when_and_where_it_ran(tmp_path):
               "measured": {"date": "2026-12-05", "commit": "abc1234", "cpu": "AMD EPYC, 2 cores, 23 GiB"}}
     (tmp_path / "run-mxfp4.json").write_text(json.dumps(record))
     page = results_tables.render_all([tmp_path], tmp_path)[tmp_path / "run.md"]
-    assert "| smollm2-135m | mxfp4-gptq | 23.800 | 16.000 | +48.75% | 0.3900 | 0.700 | 113.0 |" in page
+    assert "| smollm2-135m | mxfp4-gptq | not recorded | 23.800 | 16.000 | +48.75% | 0.3900 | 0.700 | 113.0 |" in page
     assert '- step `gptq`: `{"dampening_frac": 0.1}`' in page and "- calibration: wiki, 128 samples of 512" in page
     assert "- commit: abc1234" in page and "- CPU: AMD EPYC, 2 cores, 23 GiB" in page and "- GPU: not recorded" in page
 
