@@ -162,3 +162,12 @@ def test_a_recipe_that_rotates_cannot_stream():
                            "steps": [{"rotate": {}}, {"rtn": {}}]}, "mine.yaml")
     with pytest.raises(ValueError, match=r"steps\[0\].rotate cannot run streamed: rotate changes the embedding"):
         streaming_folder(recipe)
+
+
+def test_rotating_a_slice_of_rows_at_a_time_gives_the_whole_products_bits(monkeypatch):
+    weight = torch.randn(50, 64)
+    q = orthogonal(64, "hadamard", 0)
+    whole = (weight.double() @ q).float()
+    monkeypatch.setattr(rotate, "ROWS_AT_ONCE", 7)  # 8 slices, the last one short
+    rotate.rotate_columns(weight, q)
+    assert torch.equal(weight, whole)

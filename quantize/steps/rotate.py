@@ -32,6 +32,7 @@ ROTATABLE = ("llama", "mistral", "qwen2", "qwen3")
 READERS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
            "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
 WRITERS = ("self_attn.o_proj", "mlp.down_proj")
+ROWS_AT_ONCE = 4096
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,11 @@ def fold_norm(norm: nn.Module, linears: list[nn.Module]) -> None:
 
 
 def rotate_columns(weight: torch.Tensor, q: torch.Tensor) -> None:
-    """W -> W Q: a matrix whose rows are read against (or are) hidden states."""
-    weight.copy_((weight.double() @ q.to(weight.device)).to(weight.dtype))
+    """W -> W Q: a matrix whose rows are read against (or are) hidden states; in float64, a slice of
+    rows at a time (a 129k-row embedding would take 7 GB whole)."""
+    q = q.to(weight.device)
+    for rows in weight.split(ROWS_AT_ONCE):
+        rows.copy_((rows.double() @ q).to(rows.dtype))
 
 
 def rotate_rows(linear: nn.Module, q: torch.Tensor) -> None:
