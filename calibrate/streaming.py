@@ -310,12 +310,18 @@ def _owner(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
 
 
 def outer_modules(model: nn.Module, layers_path: str) -> list[tuple[str, nn.Module]]:
-    """The modules outside the decoder layers that hold parameters directly (embeddings, final
-    norm, LM head, ...), with their names."""
+    """The modules outside the decoder layers that hold state-dict entries directly (embeddings,
+    final norm, LM head, ...), with their names."""
     inside = layers_path + "."
     return [(name, module) for name, module in model.named_modules()
-            if not name.startswith(inside) and name != layers_path
-            and any(True for _ in module.named_parameters(recurse=False))]
+            if not name.startswith(inside) and name != layers_path and holds_state(module)]
+
+
+def holds_state(module: nn.Module) -> bool:
+    """Parameters, or persistent buffers, of its own: a quantized LM head holds its codes and scales
+    as buffers; RoPE's inv_freq is not persistent and belongs to no checkpoint."""
+    return (any(p is not None for p in module._parameters.values())
+            or any(b is not None and n not in module._non_persistent_buffers_set for n, b in module._buffers.items()))
 
 
 def is_resident(module: nn.Module) -> bool:

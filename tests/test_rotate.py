@@ -171,3 +171,21 @@ def test_rotating_a_slice_of_rows_at_a_time_gives_the_whole_products_bits(monkey
     monkeypatch.setattr(rotate, "ROWS_AT_ONCE", 7)  # 8 slices, the last one short
     rotate.rotate_columns(weight, q)
     assert torch.equal(weight, whole)
+
+
+def test_a_run_that_quantizes_the_lm_head_writes_and_audits_it(tmp_path):
+    """A quantized head holds its codes as buffers, no parameters: the export's and the audit's
+    portions must still count it as a module outside the layers (they once missed it)."""
+    from safetensors import safe_open
+    recipe = {"ignore": [], "scheme": {"formats": {"lm_head": "int8"}, "default": "int4_g32"},
+              "steps": [{"rotate": {}}, {"rtn": {}}]}
+    code, out = run_on_tiny_llama(tmp_path, recipe)
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    audit = results["audit"]
+    assert audit["passed"] is True and audit["checked"] == 15 and audit["schemes"]["int8 sym channel"] == 1
+    with safe_open(out / "model.safetensors", "pt") as f:
+        head = [k for k in f.keys() if k.startswith("lm_head.")]
+    assert head and "lm_head.weight" not in head  # codes and scales, not a float weight
+    lowbit_model, _ = load_without_tokenizer(out)
+    assert type(lowbit_model.lm_head).__name__ != "Linear"
