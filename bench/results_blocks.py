@@ -117,15 +117,16 @@ def best_same_size(rival: dict, lowbit: list[dict]) -> dict | None:
 
 
 def per_type_table(records: list[tuple[Path, dict]], model: str = "smollm2-135m") -> list[str]:
-    """Per llama.cpp type: its imatrix file against lowbit's best file of the same size, both scored by
-    llama-perplexity on the same chunks; a verdict line first."""
+    """Per llama.cpp type: its imatrix file against the best file of a shipped lowbit recipe of the same
+    size, both scored by llama-perplexity on the same chunks; a verdict line first."""
     found = newest_llama_cpp(records, model)
     if found is None:
         return [f"No bench/gguf_vs_llama_cpp.py results file in docs/results for {model} yet."]
     path, record = found
     files = record["llama_cpp_files"]
     rivals = [row for row in files if row["file"].endswith(" + imatrix") and row.get("kld_mean")]
-    lowbit = [row for row in files if row["file"].startswith("lowbit ") and row.get("kld_mean") is not None]
+    shipped = {f"lowbit {path.stem}" for path in RECIPES.glob("*.yaml")}  # trial recipes stay in llama_cpp.md
+    lowbit = [row for row in files if row["file"] in shipped and row.get("kld_mean") is not None]
     rows, met = [], []
     for rival in rivals:
         best = best_same_size(rival, lowbit)
@@ -136,7 +137,7 @@ def per_type_table(records: list[tuple[Path, dict]], model: str = "smollm2-135m"
                      "—" if best is None else f"{best['bytes'] / 1e6:.2f}", number(best and best["kld_mean"], 4),
                      "—" if ratio is None else f"{ratio:.2f}x"])
     protocol = record.get("protocol") or {}
-    verdict = (f"On {model}, lowbit's best file of the same size (within {SAME_SIZE:.0%} of the bytes) has at most "
+    verdict = (f"On {model}, the best file of a shipped lowbit recipe of the same size (within {SAME_SIZE:.0%} of the bytes) has at most "
                f"{BAR}x the KL divergence of llama.cpp's own imatrix file for {len(met)} of {len(rivals)} llama.cpp "
                f"types ({', '.join(met) or 'none'}). Judged by llama-perplexity (llama.cpp {record.get('llama_cpp')}) "
                f"on {protocol.get('chunks')} chunks of {protocol.get('ctx')} tokens of {protocol.get('eval')}, a text "

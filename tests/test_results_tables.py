@@ -192,7 +192,8 @@ def test_the_gguf_page_compares_each_type_with_lowbits_best_file_of_that_size(tm
              llama_cpp_row("llama.cpp q4_0", 91.73, 0.30), llama_cpp_row("llama.cpp q4_0 + imatrix", 91.89, 0.20),
              llama_cpp_row("llama.cpp q8_0 + imatrix", 144.81, 0.004),
              llama_cpp_row("lowbit gguf-q4_0-gptq", 91.73, 0.14), llama_cpp_row("lowbit gguf-iq4_nl-gptq", 92.06, 0.11),
-             llama_cpp_row("lowbit too-big", 93.0, 0.01)]  # 1.2% over q4_0's imatrix file: not the same size
+             llama_cpp_row("lowbit gguf-q4_k-gptq", 93.0, 0.01),  # 1.2% over q4_0's imatrix file: not the same size
+             llama_cpp_row("lowbit my-trial", 91.9, 0.001)]  # no shipped recipe: only in llama_cpp.md
     old = {"date": "2026-12-01", "model": "smollm2-135m", "llama_cpp_files": files[:3] + [files[4]]}
     new = {"date": "2026-12-05", "commit": "abc1234", "cpu": "AMD EPYC", "llama_cpp": "11434.0.0", "model": "smollm2-135m",
            "protocol": {"calibration": "wiki", "samples": 128, "eval": "news", "chunks": 40, "ctx": 512},
