@@ -18,14 +18,12 @@ from lowbit.quantize.rotation import hadamard, hadamard_factors, orthogonal
 from lowbit.quantize.steps import rotate, rtn
 from lowbit.quantize.steps.context import StepContext
 
-EYE = torch.eye
-
 
 @pytest.mark.parametrize("n", [2, 4, 12, 20, 64, 576, 896, 2880])
 def test_hadamard_rows_are_orthogonal_and_plus_or_minus_one(n):
     h = hadamard(n)
     assert set(h.unique().tolist()) == {-1.0, 1.0}
-    assert torch.equal(h @ h.T, n * EYE(n, dtype=torch.float64))
+    assert torch.equal(h @ h.T, n * torch.eye(n, dtype=torch.float64))
 
 
 def test_sizes_without_a_construction_are_refused_naming_the_way_out():
@@ -37,18 +35,19 @@ def test_sizes_without_a_construction_are_refused_naming_the_way_out():
 @pytest.mark.parametrize("kind", ["hadamard", "random"])
 def test_rotations_are_orthogonal_and_fixed_by_the_seed(kind):
     q = orthogonal(64, kind, 3)
-    assert torch.allclose(q @ q.T, EYE(64, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(q @ q.T, torch.eye(64, dtype=torch.float64), atol=1e-12)
     assert torch.equal(q, orthogonal(64, kind, 3)) and not torch.equal(q, orthogonal(64, kind, 4))
 
 
 def with_norm_weights(model, seed: int = 0):
-    """Random norm weights and biases: a rotation that forgot to fold one would change the logits."""
+    """Random norm weights (q/k norms too, which the rotation must leave alone): a rotation that forgot to
+    fold one would change the logits."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(0.5 + torch.rand(param.shape, generator=gen))
-            if name.endswith("o_proj.weight"):  # a large outlier column in the residual stream
+            if name.endswith("o_proj.weight"):  # one large input column, as trained models have
                 param[:, 3] *= 20
     return model
 
