@@ -81,6 +81,7 @@ def test_held_out_texts_are_scored_as_the_protocols_text_is_and_rendered_as_rows
         assert scores["perplexity"] > 1 and scores["baseline_perplexity"] > 1 and scores["kl"]["kl_mean"] > 0
         assert scores["perplexity"] != ran["quality"]["perplexity"], text  # another text, another figure
     assert evaluated["quality"]["held_out"] == scored
+    assert "held_out" in (run_dir / "recipe.yaml").read_text()  # said where asked for (pins: absent otherwise)
     page = results_tables.render_all([run_dir / "results.json"], tmp_path)[tmp_path / "run.md"]
     news = scored["news"]
     assert f"| news | {news['perplexity']:.3f} | {news['baseline_perplexity']:.3f} |" in page
