@@ -149,6 +149,11 @@ class EvaluateConfig:
     # not calibrate on, e.g. [news, reviews] for a recipe calibrated on wiki
     held_out: tuple[str, ...] = ()
 
+    def unwritten_keys(self) -> list[str]:
+        """Keys a run's recipe.yaml and results.json leave out, as recipes before them were written: held_out
+        where no texts were asked for (adding it changed every shipped recipe's recipe.yaml)."""
+        return [] if self.held_out else ["held_out"]
+
     def __post_init__(self):
         named = [name for name in self.held_out if name != self.perplexity.dataset]
         if "" in named or len(set(named)) != len(named):

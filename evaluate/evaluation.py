@@ -66,7 +66,7 @@ def evaluate(target: str | Path, cfg: EvaluateConfig, reference: Optional[Refere
         model=ModelInfo(id=str(target), model_type=model.config.model_type, reference=reference.name,
                         dtype=where["dtype"]),  # what evaluation computed in, reference alike
         hardware=cpu_info().to_dict(),
-        recipe={"name": f"eval {Path(target).name or target}", "evaluate": plain(cfg)},
+        recipe={"name": f"eval {Path(target).name or target}", "evaluate": written(cfg)},
         quality=quality, memory=Memory(weight_bytes=weight_bytes, **memory), speed=speed, baselines=baselines,
         measured=provenance())
 
@@ -93,3 +93,11 @@ def baseline_perplexity(reference: Reference, tokenizer, cfg: EvaluateConfig) ->
         measure = lambda: streamed_perplexity(reference.stream_from, tokenizer, cfg.perplexity,  # noqa: E731
                                               device=where.device, dtype=where.dtype)
     return cached_baseline(reference.name, cfg.perplexity, measure, where.describe())["perplexity"]
+
+
+def written(cfg: EvaluateConfig) -> dict:
+    """The evaluation's options as a run's results.json writes them."""
+    out = plain(cfg)
+    for key in cfg.unwritten_keys():
+        del out[key]
+    return out

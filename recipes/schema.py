@@ -58,8 +58,8 @@ class Recipe:
         for key in ("moe", "moe_min_tokens"):  # said where they differ from the defaults, as recipes before them wrote
             if plain["calibration"][key] == getattr(defaults, key):
                 del plain["calibration"][key]
-        if not self.evaluate.held_out:  # likewise: a recipe.yaml names held-out texts only where it scored some
-            del plain["evaluate"]["held_out"]
+        for key in self.evaluate.unwritten_keys():
+            del plain["evaluate"][key]
         return plain
 
 
