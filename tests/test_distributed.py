@@ -150,6 +150,25 @@ def test_two_ranks_write_the_one_rank_checkpoint(recipe, tiny, tmp_path):
     assert two.stderr.count("calibration data:") == 1 and "rank 1" not in two.stderr  # rank 0 speaks alone
 
 
+@pytest.mark.slow  # ~60 s: two runs, one of them two processes
+def test_two_ranks_learn_one_rounding(tiny, tmp_path):
+    """Each rank steps on its own batches with the gradients summed over both: the ranks hold the
+    same parameters after every layer (the step checks it and stops where not), and the checkpoint
+    is as good as one rank's, whose batches differ (each step here sees both ranks' samples)."""
+    extra = ("--set", "calibration.samples=16", "--set", "steps.0.signround.iterations=8",
+             "--set", "steps.0.signround.batch=4", "--set", "steps.0.signround.learning_rate=0.02")
+    one = lowbit_run("w4a16-signround", tiny, tmp_path / "one", 1, extra)
+    two = lowbit_run("w4a16-signround", tiny, tmp_path / "two", 2, extra)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    results = [json.loads((tmp_path / f / "results.json").read_text()) for f in ("one", "two")]
+    assert all(r["audit"]["passed"] for r in results)
+    assert all(layer["best"] < layer["first"] for r in results for layer in r["steps"][0]["layers"])  # it learned
+    ppl = [r["quality"]["perplexity"] for r in results]
+    assert abs(ppl[1] / ppl[0] - 1) < 0.02, ppl
+    assert "rank 0 of 2 calibrates on samples 0-7" in two.stderr
+
+
 @pytest.mark.slow  # ~20-30 s each: two processes start, one faults, the run stops
 @pytest.mark.parametrize("kind", ["raise", "kill", "hang"])
 def test_a_failing_rank_stops_every_rank_with_its_error(kind, tiny, tmp_path):

@@ -45,6 +45,18 @@ def plain_transformers_logits(folder: Path, ids: torch.Tensor, tmp: Path) -> tup
     return load_file(tmp / "logits.safetensors")["logits"], json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def assert_plain_transformers_agrees(folder: Path, tmp: Path) -> None:
+    """Plain transformers loads `folder` with no key missing or unexpected, to lowbit's own logits
+    (within 1e-4 of the largest)."""
+    ids = token_ids(batch=2, length=32)
+    plain, loaded = plain_transformers_logits(folder, ids, tmp)
+    assert loaded["info"]["missing_keys"] == [] and loaded["info"]["unexpected_keys"] == []
+    lowbit_model, _ = load_without_tokenizer(folder)
+    with torch.no_grad():
+        ours = lowbit_model(ids).logits
+    assert (plain - ours).abs().max() / ours.abs().max() < 1e-4
+
+
 def weights_in_bf16(model: nn.Module) -> nn.Module:
     """lowbit's loaded model with each QuantLinear replaced by a Linear whose weight is its
     dequantized weight rounded to bf16: what the dense file holds, computed in float32."""

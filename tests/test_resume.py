@@ -13,6 +13,7 @@ QUICK = ("evaluate.baseline=false", "evaluate.perplexity.max_tokens=256",
          "calibration.samples=4", "calibration.seq_len=64")
 GPTQ = "{scheme: {bits: 4, strategy: group, group_size: 32}, actorder: static, forward_dtype: float32}"
 FP8_GPTQ = "{scheme: {strategy: channel}, activations: dynamic, rounding: gptq}"  # the same walk, FP8 layers
+SIGNROUND = "{scheme: {bits: 3, strategy: group, group_size: 32}, iterations: 6, batch: 2}"
 GGUF_GPTQ = "{scheme: {gguf: q4_0}, actorder: static, forward_dtype: float32}\nexport: {format: dense}"  # GGUF layers
 
 
@@ -45,7 +46,8 @@ def interrupt_after(monkeypatch, step: str, layer: int, saves: list):
     monkeypatch.setattr(resume.StepLayers, "save", save)
 
 
-@pytest.mark.parametrize("step", [f"gptq: {GPTQ}", f"fp8: {FP8_GPTQ}", f"gptq: {GGUF_GPTQ}"])
+@pytest.mark.parametrize("step", [f"gptq: {GPTQ}", f"fp8: {FP8_GPTQ}", f"gptq: {GGUF_GPTQ}",
+                                  f"signround: {SIGNROUND}"])
 def test_resumed_run_writes_the_uninterrupted_checkpoint(tiny_dir, tmp_path, monkeypatch, step):
     recipe = recipe_file(tmp_path, tiny_dir, f"  - {step}\n")
     run(recipe, tmp_path / "whole")

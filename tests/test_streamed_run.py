@@ -69,9 +69,10 @@ FP8_GRID_THEN_STATIC_INPUTS = ["scheme={format: e4m3, strategy: channel}", "step
     ("fp8-dynamic", []), ("fp8-static", []), ("w8a8-int8", []), ("w8a8-int8", [STATIC_INT8_INPUTS]),
     ("w4a16-gptq-kv8", []), ("w4a16-gptq", [A_FORMAT_PER_LINEAR]), ("w4a16-gptq", ["scheme={mx: fp4}"]),
     ("w4a16-gptq", [MIXED_FAMILIES]), ("w4a16-rtn", FP8_GRID_THEN_STATIC_INPUTS),
+    ("w4a16-signround", ["steps.0.signround.iterations=6", "steps.0.signround.batch=2"]),
 ])
 def test_streamed_checkpoint_is_the_resident_one(recipe, settings, tiny, tmp_path):
-    """Every kind of step: walks (gptq, awq, smoothquant), data-free ones applied a layer at a time
+    """Every kind of step: walks (gptq, awq, smoothquant, signround), data-free ones applied a layer at a time
     (rtn, fp8, dynamic inputs), and those observing whole forwards resident (static input scales,
     KV-cache scales), observed by a layer walk when streamed."""
     assert lowbit_run(recipe, tiny, tmp_path / "resident", "calibration.streaming=false", *settings) == 0

@@ -2,12 +2,13 @@
 SPEC) plus one entry here."""
 from __future__ import annotations
 
-from lowbit.quantize.steps import awq, fp8, gptq, int8_inputs, kv_cache, rotate, rtn, rtn_mse, smoothquant
+from lowbit.quantize.steps import awq, fp8, gptq, int8_inputs, kv_cache, rotate, rtn, rtn_mse, signround, smoothquant
 from lowbit.quantize.steps.spec import StepSpec
 
 STEPS: dict[str, StepSpec] = {spec.name: spec for spec in (
     rotate.SPEC,
     gptq.SPEC,
+    signround.SPEC,
     rtn.SPEC,
     rtn_mse.SPEC,
     smoothquant.SPEC,

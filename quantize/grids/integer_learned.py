@@ -1,0 +1,61 @@
+"""The integer grid's learned-rounding view (SignRound, Cheng et al. 2023): per weight an offset
+v in [-0.5, 0.5] added before rounding, and per group a factor in [0, 1] on each end of its range
+(its clipping), trained through a straight-through round so that a block's quantized output
+matches its float output. At v = 0 and factors 1 it is round-to-nearest on min/max scales."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowbit.quantize.grids.integer import IntScheme, QuantizedWeight, grouped, scale_zero_from_range
+
+
+def round_through(x: torch.Tensor) -> torch.Tensor:
+    """round(x) forward, the identity backward (the straight-through estimator)."""
+    return x + (torch.round(x) - x).detach()
+
+
+class IntLearnedRounding(nn.Module):
+    def __init__(self, w: torch.Tensor, scheme: IntScheme):
+        super().__init__()
+        self.scheme, self.shape = scheme, w.shape
+        g = grouped(w.detach().float(), scheme)
+        self.register_buffer("groups", g)  # (rows, G, group): the float weight, never trained
+        self.register_buffer("lo", g.amin(dim=-1))
+        self.register_buffer("hi", g.amax(dim=-1))
+        self.offset = nn.Parameter(torch.zeros_like(g))
+        self.max_factor = nn.Parameter(torch.ones_like(self.hi))
+        # a symmetric grid's range is one absmax: one factor scales both ends
+        self.min_factor = None if scheme.symmetric else nn.Parameter(torch.ones_like(self.lo))
+
+    def _scale_zero(self):
+        low = self.min_factor if self.min_factor is not None else self.max_factor
+        return scale_zero_from_range(self.lo * low, self.hi * self.max_factor, self.scheme)
+
+    def _codes(self, scale, zero) -> torch.Tensor:
+        code = round_through(self.groups / scale.unsqueeze(-1) + self.offset)
+        if zero is not None:
+            code = code + zero.unsqueeze(-1)
+        return code.clamp(self.scheme.qmin, self.scheme.qmax)
+
+    def fake_weight(self) -> torch.Tensor:
+        """The weight as the grid holds it now, (out, in) float32, differentiable in the parameters."""
+        scale, zero = self._scale_zero()
+        code = self._codes(scale, zero)
+        if zero is not None:
+            code = code - zero.unsqueeze(-1)
+        return (code * scale.unsqueeze(-1)).reshape(self.shape)
+
+    @torch.no_grad()
+    def keep_in_range(self) -> None:
+        self.offset.clamp_(-0.5, 0.5)
+        for factor in (self.max_factor, self.min_factor):
+            if factor is not None:
+                factor.clamp_(0.0, 1.0)
+
+    @torch.no_grad()
+    def weight(self) -> QuantizedWeight:
+        """The learned codes, scales and zero points, as round-to-nearest would hand them over."""
+        scale, zero = self._scale_zero()
+        codes = self._codes(scale, zero).to(torch.int8).reshape(self.shape)
+        return QuantizedWeight(codes, scale.float(), zero, self.scheme)
