@@ -14,6 +14,8 @@ from export_helpers import token_ids
 from test_export_dense import assert_plain_transformers_agrees
 from tiny_models import make_tiny_model, run_on_tiny_llama
 from lowbit.calibrate.arch import arch_for
+from lowbit.quantize.grids.gguf import GGUFScheme, quantize_gguf
+from lowbit.quantize.grids.gguf_learned import GGUFLearnedRounding
 from lowbit.quantize.grids.integer import IntScheme, quantize_rtn
 from lowbit.quantize.grids.integer_learned import IntLearnedRounding
 from lowbit.quantize.steps import rtn, signround
@@ -49,6 +51,33 @@ def test_the_weight_handed_over_is_the_one_trained_with(grid):
     assert torch.equal(held.dequantize(), view.fake_weight().detach())
     assert held.codes.min() >= grid.qmin and held.codes.max() <= grid.qmax
     assert not torch.equal(held.codes, quantize_rtn(w, grid).codes)
+
+
+GGUF_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
+
+
+@pytest.mark.parametrize("type", GGUF_TYPES)
+def test_a_gguf_view_keeps_llama_cpps_block_fields_and_hands_over_what_it_trained_with(type):
+    """The block scales and mins are the reference quantizer's, bit for bit, whatever is learned; at rest
+    the levels are llama.cpp's but where it rounded on its unrounded scale (Q8_0: ~1 in 100) or broke a
+    tie; after moves the file's values are exactly the fake weight's."""
+    w = torch.randn(8, 512, generator=torch.Generator().manual_seed(0))
+    scheme = GGUFScheme(type)
+    view, reference = GGUFLearnedRounding(w, scheme), quantize_gguf(w, scheme)
+    rest = view.weight()
+    assert (rest.levels == reference.levels).float().mean() >= 0.98
+    # where they differ, the view's level is the nearer one on the stored scales
+    assert ((rest.dequantize() - w).abs() <= (reference.dequantize() - w).abs() + 1e-6).all()
+    with torch.no_grad():
+        view.offset.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(1))
+    held = view.weight()
+    assert torch.equal(held.dequantize(), view.fake_weight().detach())
+    assert (held.levels != reference.levels).float().mean() > 0.1  # the offsets move levels
+    for field in ("d", "dmin", "sub_scale", "sub_min"):
+        ours, theirs = getattr(held, field), getattr(reference, field)
+        assert (ours is None and theirs is None) or torch.equal(ours, theirs), field
+    view.fake_weight().sum().backward()
+    assert view.offset.grad is not None and view.offset.grad.abs().sum() > 0
 
 
 def test_gradients_reach_offsets_and_clipping():
@@ -93,7 +122,7 @@ def test_the_same_run_learns_the_same_weights():
     assert torch.equal(*codes)
 
 
-@pytest.mark.parametrize("scheme, grid", [({"gguf": "q4_0"}, "gguf q4_0"), ({"format": "e4m3", "strategy": "channel"}, "fp8")])
+@pytest.mark.parametrize("scheme, grid", [({"mx": "fp4"}, "mxfp4"), ({"format": "e4m3", "strategy": "channel"}, "fp8")])
 def test_a_grid_with_no_learned_view_is_refused_before_anything_changes(tmp_path, scheme, grid):
     from lowbit.recipes.schema import parse_recipe
     recipe = parse_recipe({"scheme": scheme, "steps": [{"signround": {}}]}, "mine.yaml")
@@ -102,7 +131,7 @@ def test_a_grid_with_no_learned_view_is_refused_before_anything_changes(tmp_path
     before = copy.deepcopy(model.state_dict())
     ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: token_ids(batch=2, length=16))
     with pytest.raises(ValueError, match=rf"signround: model.layers.0.self_attn.q_proj is planned onto {grid}.*"
-                                         r"signround learns on: int grids\); use gptq or rtn"):
+                                         r"signround learns on: gguf, int grids\); use gptq or rtn"):
         signround.apply(ctx, cfg)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -139,3 +168,15 @@ def test_a_format_per_linear_learns_each_on_its_own_grid():
     assert layer.mlp.down_proj.scheme == IntScheme(8, True, "channel")
     assert layer.mlp.up_proj.scheme == IntScheme(4, True, "group", 32)
     assert type(layer.self_attn.v_proj).__name__ == "Linear" and "model.layers.1.self_attn.v_proj" in record["ignored"]
+
+
+def test_a_gguf_run_learns_onto_llama_cpps_blocks_and_writes_a_file_that_passes_its_audit(tmp_path):
+    from gguf import GGUFReader
+    recipe = {"scheme": {"gguf": "q4_0"}, "steps": [{"signround": {"iterations": 8, "batch": 2}}],
+              "export": {"format": "gguf"}}
+    code, out = run_on_tiny_llama(tmp_path, recipe)
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["audit"]["passed"] is True and results["steps"][0]["name"] == "signround"
+    types = {t.name: t.tensor_type.name for t in GGUFReader(out / "model.gguf").tensors}
+    assert types["blk.0.ffn_down.weight"] == "Q4_0" and types["blk.1.attn_q.weight"] == "Q4_0"

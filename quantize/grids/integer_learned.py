@@ -11,8 +11,9 @@ from lowbit.quantize.grids.integer import IntScheme, QuantizedWeight, grouped, s
 
 
 def round_through(x: torch.Tensor) -> torch.Tensor:
-    """round(x) forward, the identity backward (the straight-through estimator)."""
-    return x + (torch.round(x) - x).detach()
+    """round(x) forward (exactly: x + (round(x) - x) need not be), the identity backward (the
+    straight-through estimator)."""
+    return torch.round(x) + (x - x.detach())
 
 
 class IntLearnedRounding(nn.Module):

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.quantize.grids.gguf import GGUFScheme
+from lowbit.quantize.grids.gguf_learned import GGUFLearnedRounding
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.integer_learned import IntLearnedRounding
 
-VIEWS = {IntScheme.FAMILY: IntLearnedRounding}
+VIEWS = {IntScheme.FAMILY: IntLearnedRounding, GGUFScheme.FAMILY: GGUFLearnedRounding}
 
 
 def learnable(grid) -> bool:
