@@ -1,7 +1,8 @@
-"""The signround step: the integer grid's learned view (round-to-nearest where nothing is learned,
-its exported weight the one it trained with), learning that lowers a layer's output error below
-round-to-nearest's, refusal of grids with no learned view, and runs that export, audit, stream and
-resume as every other step's do."""
+"""The signround step: the integer and GGML grids' learned views (round-to-nearest where nothing is
+learned, llama.cpp's block fields kept, the exported weight the one trained with), learning that lowers
+a model's output error below round-to-nearest's, refusal of grids with no learned view, and runs that
+export and audit as every other step's do (streaming, resume, offload, ranks and MoE families: in
+those steps' own test files)."""
 from __future__ import annotations
 
 import copy
