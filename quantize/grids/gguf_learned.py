@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lowbit.quantize.grids.gguf import GGUFScheme, GGUFWeight, grid_values, nearest_levels, quantize_gguf
+from lowbit.quantize.grids.integer_learned import straight_through
 
 
 def _per_weight(t, sub: int):
@@ -39,7 +40,7 @@ class GGUFLearnedRounding(nn.Module):
     def fake_weight(self) -> torch.Tensor:
         shifted = self.w + self.offset * self.step
         held = grid_values(self._levels(shifted), self.S, self.M, self.scheme)
-        return held + (shifted - shifted.detach())  # held exactly, forward; the shift's gradient, backward
+        return straight_through(held, shifted)
 
     @torch.no_grad()
     def keep_in_range(self) -> None:

@@ -10,10 +10,14 @@ from torch import nn
 from lowbit.quantize.grids.integer import IntScheme, QuantizedWeight, grouped, scale_zero_from_range
 
 
-def round_through(x: torch.Tensor) -> torch.Tensor:
-    """round(x) forward (exactly: x + (round(x) - x) need not be), the identity backward (the
+def straight_through(value: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`value` forward (exactly: x + (value - x) need not be), x's gradient backward (the
     straight-through estimator)."""
-    return torch.round(x) + (x - x.detach())
+    return value.detach() + (x - x.detach())
+
+
+def round_through(x: torch.Tensor) -> torch.Tensor:
+    return straight_through(torch.round(x), x)
 
 
 class IntLearnedRounding(nn.Module):

@@ -8,7 +8,6 @@ H = 2/N · XᵀX (in, in); `apply` walks the decoder layers, quantizing true-seq
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,9 +22,9 @@ from lowbit.quantize.runtime.buffers import on_device
 from lowbit.quantize.runtime.modules import module_for
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.gptq_solver import GPTQResult, HessianAccumulator, solve_onto
-from lowbit.quantize.steps.layerwise import damping_retries, linear_stats, walk_solving
+from lowbit.quantize.steps.layerwise import damping_retries, linear_stats, outside_layers, round_outside, walk_solving
 from lowbit.quantize.steps.spec import WALK, StepSpec
-from lowbit.quantize.targets import planned_targets, replace_module
+from lowbit.quantize.targets import planned_targets
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
     """Quantize every targeted linear inside the decoder layers with GPTQ, layer by layer, each onto
     the grid the plan gives it; targets outside the layers (lm_head) round to nearest."""
     targets, grids = planned_targets(ctx.model, ctx.arch, ctx.ignore, cfg.scheme)
-    outside = {n: m for n, m in targets.linears.items() if not n.startswith(ctx.arch.layers + ".")}
+    outside = outside_layers(ctx, targets)
 
     def solve(prefix, layer, members, hessian):
         groups = by_grid(prefix, members, grids)
@@ -94,9 +93,7 @@ def apply(ctx: StepContext, cfg: GPTQConfig) -> dict:
 
     quantized = list(targets.linears)
     layers, forward_dtype = walk_solving(ctx, cfg, targets, solve, install)
-    for name, module in outside.items():  # lm_head etc. see no decoder-layer inputs: RTN
-        warnings.warn(f"{name} is outside the decoder layers; quantized round-to-nearest, not GPTQ")
-        replace_module(ctx.model, name, module_for(grids[name].round(linear_weight(module), name), module.bias))
+    round_outside(ctx, outside, grids, "GPTQ")  # lm_head etc. see no decoder-layer inputs
     return {"quantized": quantized, "ignored": targets.ignored,
             "forward_dtype": forward_dtype, "round_to_nearest": list(outside), **cfg.scheme.record(grids),
             "damping_retries": damping_retries(layers), "layers": layers}

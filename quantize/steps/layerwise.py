@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +18,8 @@ from lowbit.calibrate.walker import WhileAlive, record_linear_inputs, walk
 from lowbit.quantize.steps import expert_hessians
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.gptq_solver import HessianAccumulator
+from lowbit.calibrate.arch import linear_weight
+from lowbit.quantize.runtime.modules import module_for
 from lowbit.quantize.targets import replace_module
 
 if TYPE_CHECKING:
@@ -111,6 +114,18 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
                   micro_batch=cfg.micro_batch, forward_dtype=forward_dtype, final_outputs=False,
                   store=ctx.layer_store, source=ctx.layer_source, offload=ctx.offload)
     return list(layers), name
+
+
+def outside_layers(ctx: StepContext, targets) -> dict[str, nn.Module]:
+    """The targets no decoder layer holds (lm_head): a layer walk never sees their inputs."""
+    return {n: m for n, m in targets.linears.items() if not n.startswith(ctx.arch.layers + ".")}
+
+
+def round_outside(ctx: StepContext, outside: dict[str, nn.Module], grids: dict, method: str) -> None:
+    """Each of them rounded to nearest onto its grid, with a warning naming the method it did not get."""
+    for name, module in outside.items():
+        warnings.warn(f"{name} is outside the decoder layers; quantized round-to-nearest, not {method}")
+        replace_module(ctx.model, name, module_for(grids[name].round(linear_weight(module), name), module.bias))
 
 
 def _smallest_first(units: list, solve, install) -> None:

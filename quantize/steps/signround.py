@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -31,7 +30,7 @@ from lowbit.quantize.grids.linear import LinearScheme, Plan
 from lowbit.quantize.runtime.buffers import on_device
 from lowbit.quantize.runtime.modules import module_for
 from lowbit.quantize.steps.context import StepContext
-from lowbit.quantize.steps.layerwise import resolve_forward_dtype
+from lowbit.quantize.steps.layerwise import outside_layers, resolve_forward_dtype, round_outside
 from lowbit.quantize.steps.spec import WALK, StepSpec
 from lowbit.quantize.targets import planned_targets, replace_module
 
@@ -61,7 +60,7 @@ class SignRoundConfig:
 def apply(ctx: StepContext, cfg: SignRoundConfig) -> dict:
     targets, grids = planned_targets(ctx.model, ctx.arch, ctx.ignore, cfg.scheme)
     refuse_unlearnable(grids)
-    outside = {n: m for n, m in targets.linears.items() if not n.startswith(ctx.arch.layers + ".")}
+    outside = outside_layers(ctx, targets)
     forward_dtype = resolve_forward_dtype(cfg.forward_dtype, ctx.device)
     print(f"[signround] {cfg.iterations} steps per layer, batches of {cfg.batch}, first step "
           f"{cfg.first_rate:g}, forwards in {str(forward_dtype).removeprefix('torch.')}", file=sys.stderr)
@@ -77,9 +76,7 @@ def apply(ctx: StepContext, cfg: SignRoundConfig) -> dict:
     layers = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="signround",
                   micro_batch=cfg.batch, forward_dtype=forward_dtype, final_outputs=False,
                   store=ctx.layer_store, source=ctx.layer_source, offload=ctx.offload)
-    for name, module in outside.items():  # lm_head sees no decoder-layer output to match: RTN
-        warnings.warn(f"{name} is outside the decoder layers; quantized round-to-nearest, not signround")
-        replace_module(ctx.model, name, module_for(grids[name].round(linear_weight(module), name), module.bias))
+    round_outside(ctx, outside, grids, "signround")  # lm_head sees no decoder-layer output to match
     return {"quantized": list(grids), "ignored": targets.ignored, "round_to_nearest": list(outside),
             "forward_dtype": str(forward_dtype).removeprefix("torch."), **cfg.scheme.record(grids),
             "layers": list(layers)}
