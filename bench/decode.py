@@ -24,7 +24,9 @@ import copy
 import gc
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,7 @@ from torch import nn
 from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.cached_forward import cached_forward
 from lowbit.calibrate.hardware import cpu_info
+from lowbit.calibrate.provenance import provenance
 from lowbit.evaluate.speed import decode_step_bytes
 from lowbit.quantize.runtime import backends
 from lowbit.quantize.steps import fp8 as fp8_step
@@ -264,6 +267,8 @@ def parse_args(argv=None):
                    "9.4 GB at 22 layers, 7 GB at 16)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of tables")
+    p.add_argument("--record", type=Path, help="also write the rows, with the command, date, commit and CPU, "
+                   "as one JSON file (a docs/results file: bench/results_tables.py renders it)")
     return p.parse_args(argv)
 
 
@@ -272,14 +277,20 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    recorded = []
     for model_name in args.models:
         rows = bench_model(model_name, args, device)
+        recorded += rows
         gc.collect()
         if args.json:
             for r in rows:
                 print(json.dumps(r), flush=True)
         else:
             print_table(rows)
+    if args.record:
+        command = " ".join(["python bench/decode.py", *(sys.argv[1:] if argv is None else argv)])
+        record = {"command": command, **provenance(), "rows": recorded}
+        args.record.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

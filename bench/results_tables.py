@@ -133,6 +133,60 @@ def scale_section(record: dict) -> list[str]:
     return provenance_lines(record) + table([header for _, header, _ in columns], body)
 
 
+# ---------------------------------------------------------------- cpu_decode (bench/decode.py --record)
+
+
+def is_cpu_decode(record: dict) -> bool:
+    rows = record.get("rows")
+    return isinstance(rows, list) and bool(rows) and all(isinstance(r, dict) and "tokens_per_s" in r for r in rows)
+
+
+def cpu_decode_section(record: dict) -> list[str]:
+    """Per model, one row per scheme: median decode speed per batch, against the fastest unquantized
+    scheme and against the step's roofline (bytes read over the bandwidth probed in the same run)."""
+    lines = provenance_lines(record)
+    medians = [r for r in record["rows"] if r.get("stat") == "median"]
+    for model in dict.fromkeys(r["model"] for r in medians):
+        mine = [r for r in medians if r["model"] == model]
+        batches = sorted({r["batch"] for r in mine})
+        probes = ", ".join(f"batch {b} {next(r['bandwidth_gbs'] for r in mine if r['batch'] == b):.1f} GB/s"
+                           for b in batches)
+        lines += [f"{model} on {mine[0]['device']}, {mine[0]['threads']} threads; read bandwidth probed: {probes}.", ""]
+        body = []
+        for scheme in dict.fromkeys(r["scheme"] for r in mine):
+            by_batch = {r["batch"]: r for r in mine if r["scheme"] == scheme}
+            kernels = next(iter(by_batch.values()))["kernels"]
+            body.append([scheme, kernels, *(decode_speed_cell(by_batch.get(b)) for b in batches)])
+        lines += table(["scheme", "linears ran", *(f"batch {b}: tok/s, × best unquantized, of roofline"
+                                                   for b in batches)], body)
+    return lines
+
+
+def decode_speed_cell(row: dict | None) -> str:
+    if row is None:
+        return "—"
+    return f"{row['tokens_per_s']:.2f}, {row['vs_best_baseline']:.2f}×, {row['vs_roofline']:.0%}"
+
+
+# ---------------------------------------------------------------- ranks_threads (bench/ranks_threads.py)
+
+
+def is_ranks_threads(record: dict) -> bool:
+    rows = record.get("rows")
+    return isinstance(rows, list) and bool(rows) and all(isinstance(r, dict) and "codes_identical_to_first" in r
+                                                         for r in rows)
+
+
+def ranks_threads_section(record: dict) -> list[str]:
+    """The same run three ways: its integer codes against the first way's, its bytes and its perplexity."""
+    lines = provenance_lines(record) + [f"`{record.get('recipe', NOT_RECORDED)}` on {record.get('model', NOT_RECORDED)}"
+                                        f", {record.get('samples', NOT_RECORDED)} calibration samples.", ""]
+    rows = [[r["way"], f"{r['codes_identical_to_first']:.4%}", r["model_safetensors_sha256"], number(r["perplexity"], 4),
+             number(r.get("seconds"), 1)] for r in record["rows"]]
+    return lines + table(["run", "codes identical to the first run's", "model.safetensors sha256", "perplexity",
+                          "seconds"], rows)
+
+
 # ---------------------------------------------------------------- run (a `lowbit run`'s results.json)
 
 def is_run(record: dict) -> bool:
@@ -205,6 +259,8 @@ def llama_cpp_section(record: dict) -> list[str]:
 KINDS: dict[str, tuple[Callable[[dict], bool], Callable[[dict], list[str]]]] = {
     "gpu_check": (is_gpu_check, gpu_check_section),
     "scale": (is_scale, scale_section),
+    "cpu_decode": (is_cpu_decode, cpu_decode_section),
+    "ranks_threads": (is_ranks_threads, ranks_threads_section),
     "run": (is_run, run_section),
     "llama_cpp": (is_llama_cpp, llama_cpp_section),
 }

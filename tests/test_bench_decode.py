@@ -39,3 +39,21 @@ def test_decode_bench_reports_every_scheme(capsys):
         assert all(k.startswith("reference (no CPU kernel variant") for k in kernels), kernels
     elif cpu_kernels.load(isa) is not None:
         assert kernels == {f"cpu_{isa}"}
+
+
+def test_decode_record_is_a_results_file_with_its_provenance(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import results_tables
+
+    record_path = tmp_path / "cpu_decode-new.json"
+    rows = run_bench(["--models", "llama-1b", "--layers", "1", "--batches", "1", "--steps", "2", "--warmup", "1",
+                      "--schemes", "bf16", "w4a16", "--record", str(record_path)], capsys)
+    record = json.loads(record_path.read_text())
+    assert record["rows"] == rows and record["date"] and "cores" in record["cpu"]
+    assert record["command"].startswith("python bench/decode.py --models llama-1b") and "--record" in record["command"]
+    page = results_tables.render_all([record_path], tmp_path)[tmp_path / "cpu_decode.md"]
+    w4 = next(r for r in rows if r["stat"] == "median" and r["scheme"] == "w4a16")
+    assert f"| w4a16 | {w4['kernels']} | {w4['tokens_per_s']:.2f}, {w4['vs_best_baseline']:.2f}×" in page
+    assert f"- date: {record['date']}" in page
