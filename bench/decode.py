@@ -23,6 +23,7 @@ import argparse
 import copy
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -51,6 +52,9 @@ SCHEMES = {  # weights by RTN; w8a8 adds per-token INT8 inputs (torch._int_mm), 
     "fp8": None,
 }
 BASELINES = ("fp32", "bf16")
+# variables that force a kernel variant or torch's own paths: a record's command names those set
+FORCING = ("LOWBIT_CPU_ISA", "LOWBIT_CPU_BF16", "LOWBIT_CPU_INT8", "LOWBIT_CPU_BF16_DOT", "ATEN_CPU_CAPABILITY",
+           "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
 RANDOM_LLAMAS = {  # configs where weights dominate decode, with N(0, 0.02) random weights
     # TinyLlama's shape: 1.1B parameters at 22 layers, 0.83B at 16
     "llama-1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -288,7 +292,8 @@ def main(argv=None) -> None:
         else:
             print_table(rows)
     if args.record:
-        command = " ".join(["python bench/decode.py", *(sys.argv[1:] if argv is None else argv)])
+        forced = [f"{name}={os.environ[name]}" for name in FORCING if name in os.environ]
+        command = " ".join([*forced, "python bench/decode.py", *(sys.argv[1:] if argv is None else argv)])
         record = {"command": command, **provenance(), "rows": recorded}
         args.record.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 

@@ -52,7 +52,12 @@ def test_decode_record_is_a_results_file_with_its_provenance(tmp_path, capsys):
                       "--schemes", "bf16", "w4a16", "--record", str(record_path)], capsys)
     record = json.loads(record_path.read_text())
     assert record["rows"] == rows and record["date"] and "cores" in record["cpu"]
-    assert record["command"].startswith("python bench/decode.py --models llama-1b") and "--record" in record["command"]
+    import os
+
+    forced = " ".join(f"{name}={os.environ[name]}" for name in ("LOWBIT_CPU_ISA", "ATEN_CPU_CAPABILITY",
+                                                                 "ONEDNN_MAX_CPU_ISA") if name in os.environ)
+    assert forced in record["command"] and "--record" in record["command"]  # the variables that forced a variant
+    assert record["command"].split("python bench/decode.py")[1].startswith(" --models llama-1b")
     page = results_tables.render_all([record_path], tmp_path)[tmp_path / "cpu_decode.md"]
     w4 = next(r for r in rows if r["stat"] == "median" and r["scheme"] == "w4a16")
     assert f"| w4a16 | {w4['kernels']} | {w4['tokens_per_s']:.2f}, {w4['vs_best_baseline']:.2f}×" in page

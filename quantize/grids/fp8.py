@@ -140,17 +140,20 @@ def expand_block_scale(scale: torch.Tensor, shape: torch.Size, block: int) -> to
     return full[: shape[0], : shape[1]]
 
 
-def weight_scale(w: torch.Tensor, strategy: WeightStrategy, fmt: FP8Format, block: int = 128) -> torch.Tensor:
+def weight_absmax(w: torch.Tensor, strategy: WeightStrategy, block: int = 128) -> torch.Tensor:
+    """The absolute maximum each weight scale covers: (1, 1), (out, 1) or (out / block, in / block)."""
     w = w.float()
     if strategy == "tensor":
-        absmax = w.abs().amax().reshape(1, 1)
-    elif strategy == "channel":
-        absmax = w.abs().amax(dim=1, keepdim=True)  # (out, 1)
-    elif strategy == "block":
-        absmax = block_absmax(w, block)
-    else:
-        raise ValueError(f"FP8 weight strategy must be tensor, channel or block; got {short_repr(strategy)}")
-    return scale_from_absmax(absmax, fmt)
+        return w.abs().amax().reshape(1, 1)
+    if strategy == "channel":
+        return w.abs().amax(dim=1, keepdim=True)
+    if strategy == "block":
+        return block_absmax(w, block)
+    raise ValueError(f"FP8 weight strategy must be tensor, channel or block; got {short_repr(strategy)}")
+
+
+def weight_scale(w: torch.Tensor, strategy: WeightStrategy, fmt: FP8Format, block: int = 128) -> torch.Tensor:
+    return scale_from_absmax(weight_absmax(w, strategy, block), fmt)
 
 
 @dataclass

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.quantize.grids.float_learned import FP8LearnedRounding, MXLearnedRounding
+from lowbit.quantize.grids.fp8 import FP8Scheme
 from lowbit.quantize.grids.gguf import GGUFScheme
 from lowbit.quantize.grids.gguf_learned import GGUFLearnedRounding
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.integer_learned import IntLearnedRounding
+from lowbit.quantize.grids.mxfp4 import MXScheme
 
-VIEWS = {IntScheme.FAMILY: IntLearnedRounding, GGUFScheme.FAMILY: GGUFLearnedRounding}
+VIEWS = {IntScheme.FAMILY: IntLearnedRounding, GGUFScheme.FAMILY: GGUFLearnedRounding,
+         FP8Scheme.FAMILY: FP8LearnedRounding, MXScheme.FAMILY: MXLearnedRounding}
 
 
 def learnable(grid) -> bool:

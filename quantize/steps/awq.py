@@ -295,7 +295,7 @@ def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig,
     for name in names:
         w = linear_weight(layer.get_submodule(name))  # a view: copying into it updates the module
         grid = grid_of(f"{prefix}.{name}")
-        clipped = CLIPS[grid.FAMILY](w.float().cpu(), grams[name].result(), grid, f"{prefix}.{name}", cfg)
+        clipped = CLIPS.get(grid.FAMILY, _clip_rounded)(w.float().cpu(), grams[name].result(), grid, f"{prefix}.{name}", cfg)
         w.copy_(clipped.to(w.device, w.dtype))
     return names
 
@@ -308,8 +308,8 @@ def _clip_rounded(w, gram, grid, name: str, cfg: AWQConfig) -> torch.Tensor:
     return search_clip_rounded(w, gram, grid, name, cfg.max_shrink, cfg.clip_grid)
 
 
-# a grid's FAMILY -> its clip search
-CLIPS = {"int": _clip_int, "fp8": _clip_rounded, "mxfp4": _clip_rounded, "gguf": _clip_rounded}
+# a grid's FAMILY -> its own clip search; every other grid searches by rounding onto itself
+CLIPS = {"int": _clip_int}
 
 
 def apply(ctx: StepContext, cfg: AWQConfig) -> dict:

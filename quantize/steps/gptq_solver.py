@@ -96,7 +96,7 @@ class HessianAccumulator:
 def solve_onto(grid, W: torch.Tensor | Callable[[], torch.Tensor], H: torch.Tensor | HessianAccumulator,
                cfg: GPTQConfig) -> GPTQResult:
     """GPTQ of W onto any per-linear grid, by its family's solver (cfg.scheme is not read)."""
-    return SOLVERS[grid.FAMILY](grid, W, H, cfg)
+    return SOLVERS.get(grid.FAMILY, _solve_fixed)(grid, W, H, cfg)
 
 
 def _solve_int(grid, W, H, cfg: GPTQConfig) -> GPTQResult:
@@ -365,5 +365,6 @@ def _solve_blocks(Wt: torch.Tensor, U: torch.Tensor, grid, block: int, codes: bo
     return Qt.t(), row_loss
 
 
-# a grid's FAMILY -> its GPTQ solver
-SOLVERS = {"int": _solve_int, "fp8": _solve_fixed, "mxfp4": _solve_fixed, "gguf": _solve_gguf}
+# a grid's FAMILY -> its own GPTQ solver; every other grid (fp8, mxfp4, a new one) has scales its ranges
+# fix, and its column view (the grid protocol's) is all the fixed-scale solver needs
+SOLVERS = {"int": _solve_int, "gguf": _solve_gguf}
