@@ -51,7 +51,7 @@ class Recipe:
 
     def to_dict(self) -> dict:
         plain = to_plain(self)
-        plain["steps"] = [{s.name: to_plain(s.config)} for s in self.steps]
+        plain["steps"] = [{s.name: step_options(s.config)} for s in self.steps]
         if self.fit is None:  # a run's recipe.yaml says `fit:` only where it planned from a budget
             del plain["fit"]
         defaults = CalibrationConfig()
@@ -61,6 +61,18 @@ class Recipe:
         for key in self.evaluate.unwritten_keys():
             del plain["evaluate"][key]
         return plain
+
+
+def step_options(config) -> dict:
+    """A step's options as a recipe writes them; options added after recipes were first written
+    (the config's WRITTEN_WHEN_SET) only where they differ from their defaults, so that a recipe's
+    recipe.yaml, and so its checkpoint's bytes, stay what they were."""
+    plain = to_plain(config)
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for key in getattr(config, "WRITTEN_WHEN_SET", ()):
+        if plain[key] == defaults[key]:
+            del plain[key]
+    return plain
 
 
 def shipped_recipes() -> dict[str, Path]:

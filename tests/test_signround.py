@@ -207,12 +207,55 @@ def test_float_grids_learn_closer_to_the_float_model_than_round_to_nearest(schem
 
 
 @pytest.mark.parametrize("bad, why", [({"iterations": 0}, "iterations and batch must be positive"),
-                                      ({"learning_rate": 2}, r"learning_rate must be in \(0, 1\]")])
+                                      ({"learning_rate": 2}, r"learning_rate must be in \(0, 1\]"),
+                                      ({"target": "block"}, r"signround.target: 'block' is not valid; choose one of \['layer', 'model'\]")])
 def test_bad_settings_are_refused_naming_the_key(bad, why):
     from lowbit.recipes.schema import parse_recipe
     from lowbit.recipes.validate import RecipeError
     with pytest.raises(RecipeError, match=why):
         parse_recipe({"scheme": {"bits": 4}, "steps": [{"signround": bad}]}, "mine.yaml")
+
+
+def test_target_model_learns_toward_the_float_models_states_and_is_written_only_where_set():
+    """Layer 0 sees the same inputs and target either way; from layer 1 the float model's states are
+    the target, so the losses differ; the whole model still beats round-to-nearest (INT3 g32)."""
+    from lowbit.recipes.schema import parse_recipe
+    model = make_tiny_model("llama")
+    batches, held_out = token_ids(batch=16, length=64), token_ids(batch=4, length=64, seed=9)
+    with torch.no_grad():
+        reference = model(held_out).logits
+    grid = IntScheme(3, True, "group", 32)
+    records, errors = {}, {}
+    for target in ("layer", "model", "rtn"):
+        quantized = copy.deepcopy(model)
+        ctx = StepContext(quantized, arch_for(quantized), ("lm_head",), lambda: batches)
+        if target == "rtn":
+            rtn.apply(ctx, rtn.RTNConfig(grid))
+        else:
+            records[target] = signround.apply(ctx, signround.SignRoundConfig(grid, 30, batch=4, target=target,
+                                                                             forward_dtype="float32"))["layers"]
+        errors[target] = logits_error(quantized, reference, held_out)
+    assert records["layer"][0]["first"] == records["model"][0]["first"]
+    assert records["layer"][1]["first"] != records["model"][1]["first"]
+    assert errors["model"] < 0.8 * errors["rtn"], errors
+    steps = {"signround": {"target": "model"}}
+    assert parse_recipe({"scheme": {"bits": 3}, "steps": [steps]}, "a.yaml").to_dict()["steps"] == [
+        {"signround": {**signround_defaults(), "target": "model"}}]
+    written = parse_recipe({"scheme": {"bits": 3}, "steps": [{"signround": {}}]}, "a.yaml").to_dict()["steps"]
+    assert "target" not in written[0]["signround"]  # recipes from before the option keep their recipe.yaml
+
+
+def signround_defaults() -> dict:
+    from lowbit.recipes.validate import to_plain
+    plain = to_plain(signround.SignRoundConfig(IntScheme(3, True, "channel")))
+    del plain["target"]
+    return plain
+
+
+def test_target_model_refuses_to_resume_past_the_first_layer_naming_it():
+    stream = signround.FloatStream()
+    with pytest.raises(ValueError, match="signround: target model cannot resume at model.layers.3: the float"):
+        stream.entering(3, "model.layers.3", None)
 
 
 def test_a_signround_run_exports_a_checkpoint_plain_transformers_loads_to_lowbits_logits(tmp_path):

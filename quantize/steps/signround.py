@@ -11,6 +11,7 @@ gradients and losses are summed before each step, so every rank learns the same 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -43,6 +44,11 @@ class SignRoundConfig:
     batch: int = 8  # calibration samples per step (and per forward)
     seed: int = 0  # the order batches are drawn in
     forward_dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # as gptq's: autocast for the forwards
+    # what a quantized layer must reproduce: "layer", the float layer's output on the quantized stream
+    # (GPTQ's target); "model", the float model's own hidden states after the layer (AutoRound's), so a
+    # layer also learns to make up for the error of the layers before it
+    target: Literal["layer", "model"] = "layer"
+    WRITTEN_WHEN_SET = ("target",)  # recipes written before the option keep their recipe.yaml
 
     def __post_init__(self):
         if self.iterations < 1 or self.batch < 1:
@@ -51,6 +57,8 @@ class SignRoundConfig:
             raise ValueError(f"signround: learning_rate must be in (0, 1], got {self.learning_rate}")
         if self.forward_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"signround: forward_dtype must be auto, bfloat16 or float32, got {self.forward_dtype!r}")
+        if self.target not in ("layer", "model"):
+            raise ValueError(f"signround: target must be layer or model, got {self.target!r}")
 
     @property
     def first_rate(self) -> float:
@@ -65,10 +73,18 @@ def apply(ctx: StepContext, cfg: SignRoundConfig) -> dict:
     print(f"[signround] {cfg.iterations} steps per layer, batches of {cfg.batch}, first step "
           f"{cfg.first_rate:g}, forwards in {str(forward_dtype).removeprefix('torch.')}", file=sys.stderr)
 
+    stream = FloatStream() if cfg.target == "model" else None
+
     def on_layer(i, prefix, layer, inputs):
         names = [n for n in ctx.arch.linears if f"{prefix}.{n}" in targets.linears]
-        wanted = ctx.offload.new() if ctx.offload else None  # where the walk's own activations wait
-        record = learn_layer(prefix, layer, names, grids, inputs, cfg, ctx.device, wanted)
+        into = ctx.offload.new() if ctx.offload else None  # where the walk's own activations wait
+        wanted = None
+        if stream is not None:  # the float model's states after this layer, before it is quantized
+            wanted = layer_forward(layer, stream.entering(i, prefix, inputs), ctx.device, into)
+            stream.hidden = wanted
+        elif names:
+            wanted = layer_forward(layer, inputs, ctx.device, into)  # the float layer on the quantized stream
+        record = learn_layer(prefix, layer, names, grids, inputs, wanted, cfg, ctx.device)
         for name in names:
             del targets.linears[f"{prefix}.{name}"]
         return record
@@ -90,14 +106,29 @@ def refuse_unlearnable(grids: dict) -> None:
                              f"yet (signround learns on: {', '.join(sorted(VIEWS))} grids); use gptq or rtn for it")
 
 
-def learn_layer(prefix: str, layer: nn.Module, names: list[str], grids: dict, inputs, cfg: SignRoundConfig,
-                device, wanted=None) -> dict:
-    """Learn the rounding of the layer's named linears against its float outputs (kept in `wanted`,
-    a container like the walk's activations, or a list), then replace them."""
+class FloatStream:
+    """The float model's hidden states entering each layer (target: model), carried beside the walk's
+    quantized ones: at the first layer they are the same."""
+
+    def __init__(self):
+        self.hidden = None
+
+    def entering(self, index: int, prefix: str, inputs):
+        if self.hidden is None:
+            if index != 0:  # a resumed walk starts past layer 0, where only the quantized stream was saved
+                raise ValueError(f"signround: target model cannot resume at {prefix}: the float model's hidden "
+                                 "states are not saved with the run; rerun from the start or use target: layer")
+            self.hidden = inputs.hidden  # the walk replaces its containers, never refills them
+        return dataclasses.replace(inputs, hidden=self.hidden)
+
+
+def learn_layer(prefix: str, layer: nn.Module, names: list[str], grids: dict, inputs, wanted,
+                cfg: SignRoundConfig, device) -> dict:
+    """Learn the rounding of the layer's named linears so that the layer's output on `inputs` matches
+    `wanted` (per micro-batch: a list, or a container like the walk's activations), then replace them."""
     start = time.perf_counter()
     if not names:
         return {"layer": prefix, "seconds": 0.0, "linears": []}
-    wanted = layer_forward(layer, inputs, device, wanted)  # the float layer's outputs: what the quantized one must give
     modules = {n: layer.get_submodule(n) for n in names}
     views = {n: learned_view(grids[f"{prefix}.{n}"], linear_weight(m).to(device)) for n, m in modules.items()}
     with learning(layer, modules, views):
