@@ -184,12 +184,11 @@ def test_a_grid_with_no_learned_view_is_refused_before_anything_changes():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-# FP8 E4M3 is nearly lossless at round-to-nearest, so learning gains little there (0.98x when written)
-@pytest.mark.parametrize("scheme, bar", [({"format": "e4m3", "strategy": "channel"}, 1.0), ({"mx": "fp4"}, 0.9)],
+@pytest.mark.parametrize("scheme, bar", [({"format": "e4m3", "strategy": "channel"}, 0.9), ({"mx": "fp4"}, 0.9)],
                          ids=["fp8", "mxfp4"])
 def test_float_grids_learn_closer_to_the_float_model_than_round_to_nearest(scheme, bar):
     """FP8 and MXFP4 through a recipe: the learned model's held-out logits are nearer the float model's
-    than round-to-nearest's (MXFP4: 0.86x when written)."""
+    than round-to-nearest's (FP8 0.79x, MXFP4 0.86x when written, on AVX-512 and AVX2 alike)."""
     from lowbit.recipes.schema import parse_recipe
     model = make_tiny_model("llama")
     batches, held_out = token_ids(batch=16, length=64), token_ids(batch=4, length=64, seed=9)
