@@ -37,6 +37,8 @@ def run(recipe: str, model: Path, out: Path, *settings: str) -> Path:
     ("w4a16-awq", ("scheme.group_size=32",)),
     ("w8a8-smoothquant", ()),
     ("w4a16-signround", ("scheme.group_size=32", "steps.0.signround.iterations=4", "steps.0.signround.batch=2")),
+    ("w4a16-signround", ("scheme.group_size=32", "steps.0.signround.iterations=4", "steps.0.signround.batch=2",
+                         "steps.0.signround.target=model")),  # the float model's stream waits where the walk's does
 ])
 def test_every_offload_writes_the_same_checkpoint(recipe, extra, tiny, tmp_path):
     on_device = run(recipe, tiny, tmp_path / "device", "calibration.offload=device", *extra)
