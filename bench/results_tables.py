@@ -181,8 +181,8 @@ def ranks_threads_section(record: dict) -> list[str]:
     """The same run three ways: its integer codes against the first way's, its bytes and its perplexity."""
     lines = provenance_lines(record) + [f"`{record.get('recipe', NOT_RECORDED)}` on {record.get('model', NOT_RECORDED)}"
                                         f", {record.get('samples', NOT_RECORDED)} calibration samples.", ""]
-    rows = [[r["way"], f"{r['codes_identical_to_first']:.4%}", r["model_safetensors_sha256"], number(r["perplexity"], 4),
-             number(r.get("seconds"), 1)] for r in record["rows"]]
+    rows = [[r["way"], f"{r['codes_identical_to_first']:.4%}", r["model_safetensors_sha256"],
+             number(r["perplexity"], 4), number(r.get("seconds"), 1)] for r in record["rows"]]
     return lines + table(["run", "codes identical to the first run's", "model.safetensors sha256", "perplexity",
                           "seconds"], rows)
 

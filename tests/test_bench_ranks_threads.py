@@ -45,8 +45,8 @@ def test_its_record_renders_every_way(tmp_path):
             dict(way="1 process, 2 threads (the default)", seconds=9.0, model_safetensors_sha256="def",
                  perplexity=18.95612, codes_identical_to_first=0.9434)]
     path = tmp_path / "ranks_threads-x.json"
-    path.write_text(json.dumps({"command": "python bench/ranks_threads.py", "date": "2026-12-06", "recipe": "w4a16-gptq",
-                                "model": "smollm2-135m", "samples": 16, "rows": rows}))
+    path.write_text(json.dumps({"command": "python bench/ranks_threads.py", "date": "2026-12-06",
+                                "recipe": "w4a16-gptq", "model": "smollm2-135m", "samples": 16, "rows": rows}))
     page = results_tables.render_all([path], tmp_path)[tmp_path / "ranks_threads.md"]
     assert "| 1 process, 2 threads (the default) | 94.3400% | def | 18.9561 | 9.0 |" in page
     assert "`w4a16-gptq` on smollm2-135m, 16 calibration samples." in page

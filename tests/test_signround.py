@@ -207,7 +207,8 @@ def test_float_grids_learn_closer_to_the_float_model_than_round_to_nearest(schem
 
 @pytest.mark.parametrize("bad, why", [({"iterations": 0}, "iterations and batch must be positive"),
                                       ({"learning_rate": 2}, r"learning_rate must be in \(0, 1\]"),
-                                      ({"target": "block"}, r"signround.target: 'block' is not valid; choose one of \['layer', 'model'\]")])
+                                      ({"target": "block"},
+                                       r"signround.target: 'block' is not valid; choose one of \['layer', 'model'\]")])
 def test_bad_settings_are_refused_naming_the_key(bad, why):
     from lowbit.recipes.schema import parse_recipe
     from lowbit.recipes.validate import RecipeError

@@ -70,7 +70,8 @@ FP8_GRID_THEN_STATIC_INPUTS = ["scheme={format: e4m3, strategy: channel}", "step
     ("w4a16-gptq-kv8", []), ("w4a16-gptq", [A_FORMAT_PER_LINEAR]), ("w4a16-gptq", ["scheme={mx: fp4}"]),
     ("w4a16-gptq", [MIXED_FAMILIES]), ("w4a16-rtn", FP8_GRID_THEN_STATIC_INPUTS),
     ("w4a16-signround", ["steps.0.signround.iterations=6", "steps.0.signround.batch=2"]),
-    ("w4a16-signround", ["steps.0.signround.iterations=6", "steps.0.signround.batch=2", "steps.0.signround.target=model"]),
+    ("w4a16-signround", ["steps.0.signround.iterations=6", "steps.0.signround.batch=2",
+                         "steps.0.signround.target=model"]),
 ])
 def test_streamed_checkpoint_is_the_resident_one(recipe, settings, tiny, tmp_path):
     """Every kind of step: walks (gptq, awq, smoothquant, signround), data-free ones applied a layer at a time

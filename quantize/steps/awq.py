@@ -295,7 +295,8 @@ def clip_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig,
     for name in names:
         w = linear_weight(layer.get_submodule(name))  # a view: copying into it updates the module
         grid = grid_of(f"{prefix}.{name}")
-        clipped = CLIPS.get(grid.FAMILY, _clip_rounded)(w.float().cpu(), grams[name].result(), grid, f"{prefix}.{name}", cfg)
+        clip = CLIPS.get(grid.FAMILY, _clip_rounded)
+        clipped = clip(w.float().cpu(), grams[name].result(), grid, f"{prefix}.{name}", cfg)
         w.copy_(clipped.to(w.device, w.dtype))
     return names
 
