@@ -1,8 +1,9 @@
 """signround: rounding learned per decoder layer (SignRound, Cheng et al. 2023; Intel's AutoRound).
 
 Each layer in turn: its float outputs on the inputs the quantized layers before it hand on are the
-target (with target: model, the float model's own hidden states after the layer); every targeted linear gets its grid's learned view (an offset per weight before rounding,
-a clipping factor per group) and `iterations` steps of signed gradient descent, one batch of
+target (with target: model, the float model's own hidden states after the layer); every targeted
+linear gets its grid's learned view (an offset per weight before rounding, and on integer grids a
+clipping factor per group) and `iterations` steps of signed gradient descent, one batch of
 calibration samples each, with a learning rate falling linearly to 0, move them so that the
 quantized layer's output matches the target (mean squared error). The parameters of the step with
 the lowest loss are kept; the linears become the runtime modules of the learned weights, so every
