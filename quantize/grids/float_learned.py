@@ -28,55 +28,63 @@ def float_step(y: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(y), binade - mantissa)
 
 
-class FP8LearnedRounding(nn.Module):
-    def __init__(self, w: torch.Tensor, scheme: FP8Scheme):
+class OffsetRounding(nn.Module):
+    """What both float views share: the weight over its per-element scales (y), each weight's step,
+    and the learned offset; a view says how a shifted value rounds (`nearest`) and its largest value."""
+
+    def __init__(self, y: torch.Tensor, scale: torch.Tensor, fmt: str, top: float):
         super().__init__()
-        self.scheme = scheme
-        w = w.detach().float()
-        self.register_buffer("scale", weight_scale(w, scheme.strategy, scheme.format, scheme.block_size))
-        self.register_buffer("per_element", element_scale(self.scale, w.shape, scheme.strategy, scheme.block_size))
-        self.register_buffer("y", w / self.per_element)
-        self.register_buffer("step", float_step(self.y, scheme.format))
-        self.offset = nn.Parameter(torch.zeros_like(w))
+        self.top = top
+        self.register_buffer("scale", scale)  # broadcasts against y
+        self.register_buffer("y", y)
+        self.register_buffer("step", float_step(y, fmt))
+        self.offset = nn.Parameter(torch.zeros_like(y))
+
+    def shifted(self) -> torch.Tensor:
+        return self.y + self.offset * self.step
 
     def fake_weight(self) -> torch.Tensor:
-        shifted = self.y + self.offset * self.step
-        top = fp8_max(self.scheme.format)
-        held = saturating_cast(shifted.detach(), self.scheme.format).float()
-        return straight_through(held, shifted.clamp(-top, top)) * self.per_element
+        shifted = self.shifted()
+        held = self.nearest(shifted.detach())
+        return straight_through(held, shifted.clamp(-self.top, self.top)) * self.scale
 
     @torch.no_grad()
     def keep_in_range(self) -> None:
         self.offset.clamp_(-0.5, 0.5)
+
+
+class FP8LearnedRounding(OffsetRounding):
+    def __init__(self, w: torch.Tensor, scheme: FP8Scheme):
+        w = w.detach().float()
+        scale = weight_scale(w, scheme.strategy, scheme.format, scheme.block_size)
+        per_element = element_scale(scale, w.shape, scheme.strategy, scheme.block_size)
+        super().__init__(w / per_element, per_element, scheme.format, fp8_max(scheme.format))
+        self.scheme = scheme
+        self.register_buffer("fp8_scale", scale)  # one per tensor, channel or block, as the weight stores it
+
+    def nearest(self, shifted: torch.Tensor) -> torch.Tensor:
+        return saturating_cast(shifted, self.scheme.format).float()
 
     @torch.no_grad()
     def weight(self) -> FP8Weight:
         s = self.scheme
-        data = saturating_cast(self.y + self.offset * self.step, s.format)
-        return FP8Weight(data, self.scale, s.format, s.strategy, s.block_size)
+        data = saturating_cast(self.shifted(), s.format)
+        return FP8Weight(data, self.fp8_scale, s.format, s.strategy, s.block_size)
 
 
-class MXLearnedRounding(nn.Module):
+class MXLearnedRounding(OffsetRounding):
     def __init__(self, w: torch.Tensor, scheme: MXScheme):
-        super().__init__()
         scheme.check_weight(w, "weight")
-        self.scheme = scheme
         w = w.detach().float()
-        self.register_buffer("exponents", block_exponents(w))
-        self.register_buffer("scale", element_scales(self.exponents))
-        self.register_buffer("y", w / self.scale)
-        self.register_buffer("step", float_step(self.y, "e2m1"))
-        self.offset = nn.Parameter(torch.zeros_like(w))
+        exponents = block_exponents(w)
+        scale = element_scales(exponents)
+        super().__init__(w / scale, scale, "e2m1", E2M1_MAX)
+        self.scheme = scheme
+        self.register_buffer("exponents", exponents)
 
-    def fake_weight(self) -> torch.Tensor:
-        shifted = self.y + self.offset * self.step
-        held = e2m1_values(e2m1_codes(shifted.detach()))
-        return straight_through(held, shifted.clamp(-E2M1_MAX, E2M1_MAX)) * self.scale
-
-    @torch.no_grad()
-    def keep_in_range(self) -> None:
-        self.offset.clamp_(-0.5, 0.5)
+    def nearest(self, shifted: torch.Tensor) -> torch.Tensor:
+        return e2m1_values(e2m1_codes(shifted))
 
     @torch.no_grad()
     def weight(self) -> MXWeight:
-        return MXWeight(e2m1_codes(self.y + self.offset * self.step), self.exponents)
+        return MXWeight(e2m1_codes(self.shifted()), self.exponents)
