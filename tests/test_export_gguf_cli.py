@@ -96,8 +96,9 @@ def test_grids_gguf_cannot_hold_are_refused_naming_the_layer(tmp_path, tokenizer
     with pytest.raises(ValueError, match=r"layer model\.layers\.0\.self_attn\.q_proj is a QuantLinear, which "
                                          r"GGUF cannot hold\. .*gguf recipe"):
         checkpoint.save(quantized_tiny(), tokenizer, tmp_path / "a", ExportConfig(format="gguf"))
-    with pytest.raises(ValueError, match=r"supports the architectures \['glm4_moe', 'gpt_oss', 'llama', 'mixtral', 'olmoe', "
-                                         r"'qwen2', 'qwen2_moe', 'qwen3_moe'\]; this model is 'opt'"):
+    with pytest.raises(ValueError, match=r"supports the architectures \['deepseek_v3', 'glm4_moe', 'gpt_oss', 'llama', "
+                                         r"'llama4_text', 'mixtral', 'olmoe', 'qwen2', 'qwen2_moe', 'qwen3_moe'\]; "
+                                         r"this model is 'opt'"):
         checkpoint.save(make_tiny_model("opt"), tokenizer, tmp_path / "b", ExportConfig(format="gguf"))
     with pytest.raises(ValueError, match="carries its tokenizer; none was given"):
         checkpoint.save(gguf_tiny("llama"), None, tmp_path / "c", ExportConfig(format="gguf"))

@@ -12,7 +12,7 @@ import torch
 
 from test_moe import expected_linears, lowbit_logits
 from tiny_models import SMALL_RUN
-from tiny_moe import EXPERTS, expert_layers, save_tiny_moe
+from tiny_moe import EXPERTS, expert_layers, experts_at, save_tiny_moe
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 from lowbit.app.cli import main
 
@@ -34,6 +34,14 @@ CASES = {
     # experts as wide as intermediate_size, with biases (stacked as the weights are), attention sinks,
     # YaRN rope; transformers reads no gpt-oss GGUF file: llama.cpp itself checks it (test_moe_llama_cpp.py)
     "gpt_oss": ("gguf-q4_0", dict(intermediate_size=128)),
+    # a dense first layer, then routed experts under feed_forward scored on their input and a shared
+    # expert; Llama 3's RoPE scaling as llama.cpp's rope_freqs tensor. transformers reads no Llama 4 GGUF
+    "llama4_text": ("gguf-q4_0", dict(intermediate_size=128, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    # latent attention with kv_b_proj whole (llama.cpp's MHA path), sigmoid routing over 2 expert groups
+    # of which the router keeps 1, a shared expert, a dense first layer
+    "deepseek_v3": ("gguf-q4_0", dict(moe_intermediate_size=128, n_group=2, topk_group=1)),
 }
 TRANSFORMERS_READS = ("qwen3_moe", "qwen2_moe")
 RELOAD = textwrap.dedent("""
@@ -73,15 +81,20 @@ def test_experts_are_stacked_as_llama_cpp_reads_them_and_reload_everywhere(model
             assert t.shape.tolist() == shape
             assert t.tensor_type.name in ("Q4_K", "Q6_K", "Q4_0")
         assert tensors[f"blk.{layer}.ffn_gate_inp.weight"].tensor_type.name == "F32"
+        if model_type == "deepseek_v3":  # whole, as lowbit quantized its rows: no k_b/v_b cut
+            assert f"blk.{layer}.attn_kv_b.weight" in tensors and f"blk.{layer}.attn_k_b.weight" not in tensors
         if model_type == "gpt_oss":
             for proj, rows in (("gate", inner), ("up", inner), ("down", hidden)):
                 bias = tensors[f"blk.{layer}.ffn_{proj}_exps.bias"]
                 assert bias.shape.tolist() == [rows, EXPERTS] and bias.tensor_type.name == "F32"
             assert tensors[f"blk.{layer}.attn_sinks.weight"].shape.tolist() == [4]  # one per query head
 
+    assert ("rope_freqs.weight" in tensors) == (model_type == "llama4_text")  # Llama 3's RoPE divisors
+
     from lowbit.export.reader import load
     model, _ = load(out)
-    assert isinstance(model.get_submodule(f"model.layers.1.mlp.experts.{EXPERTS - 1}.down_proj"), GGUFLinear)
+    assert isinstance(model.get_submodule(f"model.layers.1.{experts_at(model_type)}.{EXPERTS - 1}.down_proj"),
+                      GGUFLinear)
     ids = torch.randint(3, 500, (1, 16), generator=torch.Generator().manual_seed(2))
     if model_type not in TRANSFORMERS_READS:
         return
@@ -137,3 +150,42 @@ def test_a_model_llama_cpp_would_compute_differently_stops_before_any_work(model
     assert code == 2
     assert all(part in printed.err for part in said)
     assert "[rtn]" not in printed.out + printed.err and not (tmp_path / "run").exists()
+
+
+# widths at which every expert row takes Q4_K's 256-weight super-blocks (hidden and expert width 256)
+Q4_K_WIDTHS = {
+    "qwen3_moe": dict(hidden_size=256, head_dim=64, moe_intermediate_size=256, norm_topk_prob=True),
+    "mixtral": dict(hidden_size=256, intermediate_size=256),
+    "olmoe": dict(hidden_size=256, intermediate_size=256, num_key_value_heads=4),
+    "qwen2_moe": dict(hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256),
+    "deepseek_v3": dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, n_group=2, topk_group=1),
+    "glm4_moe": dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, head_dim=64),
+    "gpt_oss": dict(hidden_size=256, intermediate_size=256, head_dim=64),
+    "llama4_text": dict(hidden_size=256, intermediate_size=256, intermediate_size_mlp=256, head_dim=64),
+}
+
+
+@pytest.mark.parametrize("model_type", list(Q4_K_WIDTHS))
+def test_a_q4_k_recipe_quantizes_every_expert_of_every_family_llama_cpp_runs(model_type, tmp_path, capsys):
+    """gguf-q4_k-gptq on each family llama.cpp runs: every expert solved and audited, each layer's
+    experts stacked in Q4_K or Q6_K (llama.cpp's Q4_K_M rules), the stored bytes those the run
+    predicted, and lowbit's reader loads the file back (llama.cpp runs these families' files in
+    test_moe_llama_cpp.py)."""
+    from lowbit.export.formats.gguf.reader import gguf_tensor_bytes
+    from lowbit.export.reader import load
+
+    source = save_tiny_moe(tmp_path / "source", model_type, **Q4_K_WIDTHS[model_type])
+    out = tmp_path / "run"
+    assert main(["run", "gguf-q4_k-gptq", "--model", str(source), "--output", str(out), *RUN_SETS]) == 0
+    assert "audit       passed" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["audit"]["checked"] == expected_linears(model_type)
+    reader = gguf.GGUFReader(str(out / "model.gguf"))
+    stacks = {t.name: t.tensor_type.name for t in reader.tensors if "_exps.weight" in t.name}
+    assert len(stacks) == 3 * len(expert_layers(model_type)) and set(stacks.values()) <= {"Q4_K", "Q6_K"}, stacks
+    assert "Q4_K" in stacks.values()
+    assert results["memory"]["predicted"]["weights"] == pytest.approx(gguf_tensor_bytes(out / "model.gguf"), rel=0.02)
+    model, _ = load(out)
+    ids = torch.randint(3, 500, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()

@@ -1,6 +1,8 @@
 """llama.cpp itself runs lowbit's mixture-of-experts GGUF files (#32): llama-perplexity on a file
-agrees with lowbit's perplexity of the same file on the same tokens within 1%. Skipped, naming
-the command that builds the tools, where llama.cpp's tools are not built (CI does not build them).
+agrees with lowbit's perplexity of the same file on the same tokens within 1%; on a float32 file
+(no activation rounding in llama.cpp) within 0.1%, which settles the metadata llama.cpp's graphs
+read (RoPE scaling, expert groups, latent attention). Skipped, naming the command that builds
+the tools, where llama.cpp's tools are not built (CI does not build them).
 
 The tiny models are drawn with a wide initializer so that their logits have contrast (scale ~12) and a
 file that computes another model shows in the perplexity."""
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from llama_cpp_runs import llama_cpp_perplexity, lowbit_perplexity, needs_llama_cpp
-from tiny_models import SMALL_RUN
+from tiny_models import SMALL_RUN, save_tiny_llama
 from tiny_moe import save_tiny_moe
 from lowbit.calibrate.data import load_text
 from lowbit.app.cli import main
@@ -19,6 +21,10 @@ from lowbit.app.cli import main
 pytestmark = needs_llama_cpp
 
 WIDE = dict(initializer_range=0.15)
+LLAMA3 = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=64)  # shorter than a chunk: the scaling shows
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32.0,
+            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)  # DeepSeek's, with its attention mscale
 CASES = {
     ("qwen3_moe", "gguf-q8_0"): dict(hidden_size=256, head_dim=64, moe_intermediate_size=768, norm_topk_prob=True),
     ("qwen3_moe", "gguf-q4_k-gptq"): dict(hidden_size=256, head_dim=64, moe_intermediate_size=768,
@@ -32,22 +38,27 @@ CASES = {
     # shows), experts with biases and the clamped SwiGLU, softmax over the top-k router logits
     ("gpt_oss", "gguf-q4_0"): dict(sliding_window=32),
     ("gpt_oss", "gguf-q8_0"): dict(sliding_window=32),  # its experts MXFP4, as released (SETS)
+    # 4 layers: the fourth without RoPE (temperature tuning there), MoE on every other; Llama 3's RoPE
+    ("llama4_text", "gguf-q4_0"): dict(num_hidden_layers=4, rope_parameters=LLAMA3),
+    # latent attention, sigmoid routing over 2 groups of which 1 is kept, a selection bias
+    ("deepseek_v3", "gguf-q4_0"): dict(n_group=2, topk_group=1),
 }
 SETS = {("gpt_oss", "gguf-q8_0"): ["scheme={gguf: q8_0, types: {'re:.*experts.*': mxfp4}}"]}
 
-SHARPENED = ("glm4_moe", "gpt_oss")
+SHARPENED = ("glm4_moe", "gpt_oss", "llama4_text", "deepseek_v3")
 
 
 def sharpen(folder: Path) -> None:
-    """Queries and keys 4x larger (attention that depends on position, so a wrong rotary width shows)
-    and a random selection bias in each router (so a file without llama.cpp's exp_probs_b shows)."""
+    """Queries and keys 4x larger (attention that depends on position, so a wrong rotary width shows;
+    DeepSeek's q_b and joint kv_a, whose rotary slice bypasses the latent's norm) and a random
+    selection bias in each router (so a file without llama.cpp's exp_probs_b shows)."""
     from safetensors.torch import load_file, save_file
 
     path = folder / "model.safetensors"
     tensors = load_file(path)
     generator = torch.Generator().manual_seed(7)
     for name, t in tensors.items():
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if name.endswith(("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight")):
             tensors[name] = t * 4
         elif name.endswith("e_score_correction_bias"):
             tensors[name] = torch.rand(t.shape, generator=generator) * 0.5
@@ -72,3 +83,35 @@ def test_llama_cpp_runs_the_experts_as_lowbit_does(model_type, recipe, tmp_path)
     # within 0.6%; the float32 export of the Mixtral model already differs by 0.19%). A wrong stacking
     # moves it far more: two experts swapped 4.6%, gate and up swapped in one expert 9%.
     assert abs(theirs / ours - 1) <= 0.01, (theirs, ours)
+
+
+# float32 files of models whose metadata a quantized file's activation rounding would blur (a
+# DeepSeek-V3 with YaRN at Q4_0: 1.4% apart). Each mutation of the metadata was measured to move
+# llama.cpp's perplexity: no rope_freqs tensor 5.2% (Llama 4) and 2.1% (dense Llama 3), no
+# expert-group keys 1.8% (DeepSeek-V3) and 0.9% (GLM-4.5), no YaRN log multiplier 6.8%; the files as
+# written agree within 2e-4
+FLOAT_CASES = {
+    "llama4_text": dict(num_hidden_layers=4, rope_parameters=LLAMA3),
+    "deepseek_v3": dict(n_group=2, topk_group=1),
+    "deepseek_v3-yarn": dict(rope_scaling=None, rope_parameters=YARN),
+    "glm4_moe": dict(n_group=2, topk_group=1, attention_bias=True),
+    # a dense Llama 3: the same tensor in llama.cpp's llama graph (narrower init: at 0.15 this
+    # 128-wide model is 0.06% apart with default RoPE too)
+    "llama": dict(rope_parameters=LLAMA3, initializer_range=0.06),
+}
+
+
+@pytest.mark.parametrize("case", list(FLOAT_CASES))
+def test_llama_cpp_computes_the_float_model_lowbit_wrote(case, tmp_path):
+    model_type, overrides = case.split("-")[0], {**WIDE, **FLOAT_CASES[case]}
+    if model_type == "llama":
+        source = save_tiny_llama(tmp_path / "source", **overrides)
+    else:
+        source = save_tiny_moe(tmp_path / "source", model_type, **overrides)
+    sharpen(source)
+    out = tmp_path / "float"
+    assert main(["export", str(source), "--format", "gguf", "--dtype", "float32", "--output", str(out)]) == 0
+    text = load_text("news", part="eval")[:20000]
+    (tmp_path / "eval.txt").write_text(text)
+    theirs, ours = llama_cpp_perplexity(out / "model.gguf", tmp_path / "eval.txt"), lowbit_perplexity(out, text)
+    assert abs(theirs / ours - 1) <= 1e-3, (theirs, ours)

@@ -1,8 +1,8 @@
 """gguf: one model.gguf (tensors, metadata, tokenizer) for llama.cpp, Ollama and LM Studio, in a lowbit
 checkpoint folder (config.json whose quantization_config says quant_method "gguf", generation config,
 card, manifest; the tokenizer only inside model.gguf) that lowbit and transformers
-(`gguf_file="model.gguf"`) read back. For an architecture transformers' GGUF loader does not read
-(OLMoE) the folder also holds the tokenizer's files, which lowbit reads instead."""
+(`gguf_file="model.gguf"`) read back. For a model transformers' GGUF loader does not read (OLMoE,
+Llama 3's RoPE scaling) the folder also holds the tokenizer's files, which lowbit reads instead."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +15,7 @@ from lowbit.export import kv_scales
 from ..base import ExportFormat
 from ..hf_folder import base_config, quant_method, write_folder_files
 from .modules import module_from_ggml
-from .names import ARCHS
+from .names import transformers_reads
 from .reader import TYPE_SUFFIX, gguf_tensor_bytes, read_gguf_tensors
 from .writer import write_gguf
 
@@ -40,7 +40,7 @@ class GGUFFormat(ExportFormat):
                                          "embedding_type": cfg.embedding_type}
         # no tokenizer files where transformers reads the file: the tokenizer is in model.gguf, and its
         # gguf_file= loader, finding a tokenizer.json beside the file, builds it without its BOS/EOS/PAD tokens
-        reads = ARCHS[model.config.model_type].transformers_reads
+        reads = transformers_reads(model.config)
         if not reads:  # said only where false: the other files' config.json stays as it was
             config["quantization_config"]["transformers_reads"] = False
         write_folder_files(folder, model, None if reads else tokenizer, config, extra_files)
@@ -91,7 +91,8 @@ class GGUFFormat(ExportFormat):
                    f"model = AutoModelForCausalLM.from_pretrained(path, gguf_file=\"{file}\")  # dequantized on load",
                    f"tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=\"{file}\")", "```"]
                   if config["quantization_config"].get("transformers_reads", True) else
-                  ["transformers does not read this architecture's GGUF files; `lowbit.export.reader.load(path)` "
+                  ["transformers' `gguf_file=` loader does not rebuild this model from its GGUF file (it does not "
+                   "read the architecture, or drops Llama 3's RoPE scaling); `lowbit.export.reader.load(path)` "
                    "does (dequantized on load)."])
         return ["```bash", f"llama-cli -m {file} -p \"Hello\"          # llama.cpp",
                 f"printf 'FROM ./{file}\\n' > Modelfile && ollama create mymodel -f Modelfile   # Ollama", "```",

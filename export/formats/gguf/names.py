@@ -1,6 +1,7 @@
-"""What a .gguf file calls things: the architectures lowbit writes, their tensor names (the `gguf`
-package's TensorNameMap, as llama.cpp's convert_hf_to_gguf.py uses it), the q/k row order llama.cpp
-expects, and the hyperparameter metadata.
+"""What a .gguf file calls things: the architectures lowbit writes (and the configs llama.cpp's
+graphs would compute another model from), their tensor names (the `gguf` package's TensorNameMap,
+as llama.cpp's convert_hf_to_gguf.py uses it) and the q/k row order llama.cpp expects. The
+hyperparameter metadata is metadata.py's.
 
 A mixture of experts' routed experts are one 3-D tensor per projection in a .gguf file
 (`blk.N.ffn_gate_exps` [experts, rows, cols], expert 0 first), as llama.cpp's converter stacks the
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .rope import head_dim, rope_freqs
 
 
 @dataclass(frozen=True)
@@ -36,25 +39,40 @@ class GGUFArch:
     # gpt-oss: YaRN RoPE, sliding-window attention on every other layer (the first one sliding),
     # attention sinks, experts with biases and OpenAI's clamped SwiGLU, whose width llama.cpp always reads
     gpt_oss: bool = False
+    # Llama 4: MoE layers every `interleave_moe_layer_step`, top-k logits through a sigmoid onto the
+    # expert's input, a shared expert as wide as the routed ones; chunked attention, no RoPE on every
+    # fourth layer, q/k L2 norms, which llama.cpp's graph fixes rather than reads
+    llama4: bool = False
+    # RoPE types llama.cpp reads for this graph beside the default (llama3: a rope_freqs tensor)
+    ropes: tuple = ()
+    # DeepSeek's latent attention, written for llama.cpp's MHA path: kv_b_proj whole (`attn_kv_b`), as
+    # lowbit quantized its rows; llama.cpp's MLA path wants it cut per head with k's half transposed,
+    # which quantized rows cannot give without rounding again
+    latent_attention: bool = False
 
     @property
     def moe(self) -> bool:
-        return self.norm_topk is not None or self.sigmoid_routing
+        return self.norm_topk is not None or self.sigmoid_routing or self.llama4
 
 
 ARCHS = {
-    "llama": GGUFArch("llama", permute_qk=True),
+    "llama": GGUFArch("llama", permute_qk=True, ropes=("llama3",)),
     "qwen2": GGUFArch("qwen2", permute_qk=False),  # NEOX rope: rows kept as they are
     "qwen3_moe": GGUFArch("qwen3moe", permute_qk=False, norm_topk=True),
     "qwen2_moe": GGUFArch("qwen2moe", permute_qk=False, norm_topk=False, output_required=True),
-    "mixtral": GGUFArch("llama", permute_qk=True, norm_topk=True),  # llama.cpp runs Mixtral as a llama
+    "mixtral": GGUFArch("llama", permute_qk=True, norm_topk=True, ropes=("llama3",)),  # llama.cpp's llama graph
     # NEOX rope (rows as they are), softmax routing never renormalized, q/k norms over all heads
     "olmoe": GGUFArch("olmoe", permute_qk=False, norm_topk=False, output_required=True, kv_heads_equal=True,
                       transformers_reads=False),
     "glm4_moe": GGUFArch("glm4moe", permute_qk=False, transformers_reads=False, sigmoid_routing=True),
     # NEOX rope; softmax over the top-k router logits (renormalized by construction)
     "gpt_oss": GGUFArch("gpt-oss", permute_qk=False, norm_topk=True, output_required=True, transformers_reads=False,
-                        gpt_oss=True),
+                        gpt_oss=True, ropes=("yarn",)),
+    # RoPE on interleaved pairs (rope_interleave), as llama.cpp's: rows kept as they are
+    "deepseek_v3": GGUFArch("deepseek2", permute_qk=False, transformers_reads=False, sigmoid_routing=True,
+                            latent_attention=True, ropes=("yarn",)),
+    # RoPE on interleaved pairs, as llama.cpp's: rows kept as they are
+    "llama4_text": GGUFArch("llama4", permute_qk=False, transformers_reads=False, llama4=True, ropes=("llama3",)),
 }
 SWIGLU_LIMIT = 7.0  # llama.cpp's gpt-oss graph clamps the gate and up at ±7 (alpha 1.702), as released
 ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # float32 always, as llama.cpp's converter keeps them
@@ -69,22 +87,22 @@ def arch_of(config, where: str) -> GGUFArch:
                          f"{model_type!r}")
     arch = ARCHS[model_type]
     rope = getattr(config, "rope_parameters", None) or {}
-    ropes = ("default", "yarn") if arch.gpt_oss else ("default",)
+    ropes = ("default", *arch.ropes)
     if rope.get("rope_type", "default") not in ropes:
         raise ValueError(f"{where}: GGUF export writes {' or '.join(ropes)} RoPE for {model_type}; this model's "
                          f"rope_parameters.rope_type is {rope.get('rope_type')!r}")
     if arch.gpt_oss:
         check_gpt_oss(config, where)
+    if arch.llama4:
+        check_llama4(config, where)
     norm = getattr(config, "norm_topk_prob", None)  # absent: the family's own fixed routing (Mixtral's)
     if arch.norm_topk is not None and norm is not None and bool(norm) != arch.norm_topk:
         raise ValueError(f"{where}: llama.cpp's {arch.name} graph {'always' if arch.norm_topk else 'never'} "
                          f"renormalizes the top-k routing weights; this model's config.json has norm_topk_prob: "
                          f"{str(bool(norm)).lower()}, so llama.cpp would compute another model")
-    groups, kept = getattr(config, "n_group", 1) or 1, getattr(config, "topk_group", 1) or 1
-    if arch.sigmoid_routing and kept < groups:
-        raise ValueError(f"{where}: llama.cpp's {arch.name} graph picks experts from all of them; this model's "
-                         f"router first keeps topk_group {kept} of n_group {groups} expert groups, so llama.cpp "
-                         "would compute another model")
+    if arch.latent_attention and not getattr(config, "rope_interleave", True):
+        raise ValueError(f"{where}: llama.cpp's {arch.name} graph rotates interleaved pairs; this model's config.json "
+                         "has rope_interleave: false, so llama.cpp would compute another model")
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
     if arch.kv_heads_equal and kv_heads not in (None, heads):
         raise ValueError(f"{where}: llama.cpp's {arch.name} graph normalizes keys over all {heads} heads' width, "
@@ -106,6 +124,35 @@ def check_gpt_oss(config, where: str) -> None:
     if float(limit) != SWIGLU_LIMIT:
         raise ValueError(f"{where}: llama.cpp's gpt-oss graph clamps the SwiGLU at {SWIGLU_LIMIT}; this model's "
                          f"config.json has swiglu_limit {limit}, so llama.cpp would compute another model")
+
+
+def check_llama4(config, where: str) -> None:
+    """What llama.cpp's llama4 graph fixes rather than reads (llama-model.cpp, llama4.cpp): MoE
+    layers every interleave step, no RoPE on every fourth layer, 8192-token attention chunks on the
+    others, temperature tuning with floor 8192 and scale 0.1 where there is no RoPE, and q/k L2 norms
+    unless the model has 128 experts."""
+    layers, step = config.num_hidden_layers, config.interleave_moe_layer_step
+    fixed = {
+        "moe_layers": list(range(step - 1, layers, step)),
+        "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(layers)],
+        "attention_chunk_size": 8192,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+        "use_qk_norm": config.num_local_experts != 128,
+    }
+    for key, value in fixed.items():
+        found = getattr(config, key, None)
+        if (list(found) if isinstance(found, (list, tuple)) else found) != value:
+            raise ValueError(f"{where}: llama.cpp's llama4 graph computes {key} {value} for this model; its "
+                             f"config.json has {found}, so llama.cpp would compute another model")
+
+
+def transformers_reads(config) -> bool:
+    """Whether transformers' gguf_file= loader rebuilds this model from the file: its architecture is
+    in that loader's table, and the file needs no rope_freqs tensor (the loader drops Llama 3's RoPE
+    scaling and would compute another model)."""
+    return ARCHS[config.model_type].transformers_reads and rope_freqs(config) is None
 
 
 class TensorNames:
@@ -149,81 +196,10 @@ def qk_row_order(config, hf_name: str, arch: GGUFArch) -> torch.Tensor | None:
         heads = config.num_key_value_heads
     else:
         return None
-    rows = heads * _head_dim(config)
+    rows = heads * head_dim(config)
     # convert_hf_to_gguf: w.reshape(heads, 2, d/2, ...).swapaxes(1, 2).reshape(w.shape)
     return torch.arange(rows).reshape(heads, 2, -1).transpose(1, 2).reshape(-1)
 
 
 def inverse(order: torch.Tensor) -> torch.Tensor:
     return torch.argsort(order)
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def add_hyperparameters(writer, config, arch: GGUFArch) -> None:
-    """llama.cpp's `{arch}.*` keys, from a transformers config (as convert_hf_to_gguf writes them)."""
-    head_dim = _head_dim(config)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    rope = getattr(config, "rope_parameters", None) or {}
-    writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
-    rotated = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
-    writer.add_rope_dimension_count(int(head_dim * rotated))  # GLM-4.5 rotates half of each head
-    writer.add_vocab_size(config.vocab_size)
-    if head_dim != config.hidden_size // config.num_attention_heads or arch.moe:
-        writer.add_key_length(head_dim)  # always for a MoE: transformers' GGUF reader takes head_dim from it
-        writer.add_value_length(head_dim)
-    if arch.moe:
-        add_expert_hyperparameters(writer, config)
-    if arch.sigmoid_routing:
-        add_sigmoid_routing(writer, config)
-    if arch.gpt_oss:
-        add_gpt_oss(writer, config, rope)
-
-
-def add_gpt_oss(writer, config, rope: dict) -> None:
-    """The keys llama.cpp's gpt-oss graph reads beyond a MoE's: the window, the experts' width, YaRN."""
-    writer.add_sliding_window(config.sliding_window)
-    writer.add_expert_feed_forward_length(config.intermediate_size)
-    if rope.get("rope_type") == "yarn":  # as convert_hf_to_gguf writes them
-        import gguf
-
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(rope["factor"])
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        for key, add in (("extrapolation_factor", writer.add_rope_scaling_yarn_ext_factor),
-                         ("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
-                         ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
-                         ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
-            if rope.get(key) is not None:
-                add(rope[key])
-
-
-def add_expert_hyperparameters(writer, config) -> None:
-    writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    inner = getattr(config, "moe_intermediate_size", None)  # absent: experts as wide as intermediate_size
-    if inner:
-        writer.add_expert_feed_forward_length(inner)
-    shared = getattr(config, "shared_expert_intermediate_size", None)
-    if shared:
-        writer.add_expert_shared_feed_forward_length(shared)
-
-
-def add_sigmoid_routing(writer, config) -> None:
-    """The keys llama.cpp's DeepSeek-style graphs read: shared experts, leading dense layers, sigmoid
-    gating, the routing weights' normalization and scale."""
-    import gguf
-
-    writer.add_expert_shared_count(getattr(config, "n_shared_experts", None) or 0)
-    writer.add_leading_dense_block_count(getattr(config, "first_k_dense_replace", None) or 0)
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    writer.add_expert_weights_scale(float(getattr(config, "routed_scaling_factor", None) or 1.0))
-    writer.add_expert_weights_norm(bool(getattr(config, "norm_topk_prob", False)))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .names import TensorNames, arch_of, inverse, is_router, qk_row_order, stacked_name
+from .rope import ROPE_FREQS
 
 TYPE_SUFFIX = ".gguf_type"
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -34,6 +35,8 @@ def read_gguf_tensors(path: Path, model: nn.Module) -> dict[str, torch.Tensor]:
     linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:  # lowbit's model computes it from config.json
+            continue
         if t.name in to_experts:
             tensors.update(_split_experts(t, to_experts[t.name], path, gguf))
             continue

@@ -24,7 +24,9 @@ from lowbit.quantize.grids.gguf_packing import pack
 
 from ..hf_folder import float_tensors, quantized_modules
 from .modules import ggml_tensor
-from .names import TensorNames, add_hyperparameters, arch_of, is_router, qk_row_order, stacked_name
+from .metadata import add_hyperparameters
+from .names import TensorNames, arch_of, is_router, qk_row_order, stacked_name
+from .rope import ROPE_FREQS, rope_freqs
 from .parts import Positions, gguf_parts
 from .tokenizer import add_tokenizer
 
@@ -67,7 +69,17 @@ def write_gguf(path: Path, model: nn.Module, tokenizer, cfg, title: str) -> None
     if tokenizer is None:
         raise ValueError(f"{where}: a .gguf file carries its tokenizer; none was given")
     tensors = parts.stored() if parts is not None else list(model_tensors(model, cfg, arch, where))
+    tensors += derived_tensors(model.config)
     _write_file(path, model, tokenizer, cfg, title, arch, sorted(tensors, key=lambda t: t.order))
+
+
+def derived_tensors(config) -> list[GGUFTensor]:
+    """Tensors llama.cpp reads that the model computes from its config (Llama 3's RoPE divisors),
+    first in the file as convert_hf_to_gguf writes them."""
+    freqs = rope_freqs(config)
+    if freqs is None:
+        return []
+    return [_float_tensor(ROPE_FREQS, freqs, None, "float32")._replace(order=(-1,))]
 
 
 def _write_file(path: Path, model: nn.Module, tokenizer, cfg, title: str, arch, tensors: list) -> None:
