@@ -8,7 +8,7 @@ Memory: one decoder layer in the calibration dtype (float32) plus what the step 
 (GPTQ: one Hessian per input, in² x 4 bytes), the calibration activations (walker.py) and, while
 inputs are captured, the token embedding. A mixture's layer under GPTQ without true_sequential
 holds one routed expert in float32 at a time (calibrate/deferred_experts.py) beside its quantized
-ones and their Hessians. Disk: one copy of the layers per step, in float32 where
+ones and their Hessians; under rtn, rtn_mse and fp8 one expert linear, read as it is rounded. Disk: one copy of the layers per step, in float32 where
 they stay float. The embedding, final norm and LM head are read from the shards as they are: a
 streamed run leaves them unquantized (lm_head must stay in `ignore`).
 """
@@ -205,8 +205,12 @@ class StreamedRun:
 
 
 def defers_experts(step) -> bool:
-    """GPTQ without true_sequential reads each float expert only to run and to solve it and writes
-    none back (every solved linear is replaced): its layers can leave the experts on meta until then."""
+    """GPTQ without true_sequential reads each float expert only to run and to solve it, and a
+    data-free weight step (rtn, rtn_mse, fp8) only to round it; neither writes a float weight back
+    (every linear done is replaced): their layers can leave the experts on meta until then."""
+    spec = STEPS[step.name]
+    if spec.streamed(step.config) == LAYERS and spec.writes(step.config) is not None:
+        return True
     return step.name == "gptq" and not step.config.true_sequential
 
 
@@ -228,14 +232,28 @@ def apply_per_layer(spec, cfg, ctx: StepContext) -> dict:
         ctx.layer_source.load(i, prefix, layer, ctx.device)
         restored = ctx.layer_store.restore(i, prefix, layer)
         if restored is None:
-            scoped = dataclasses.replace(ctx, ignore=ctx.ignore + (f"re:(?!{re.escape(prefix)}\\.).*",))
+            scoped = dataclasses.replace(ctx, ignore=ctx.ignore + (f"re:(?!{re.escape(prefix)}\\.).*",),
+                                         read_deferred=_reader(ctx.layer_source, prefix, layer))
             record = spec.apply(scoped, cfg)
+            _settle(ctx.layer_source, layer)  # experts the step left float are read before the layer is saved
             ctx.layer_store.save(i, prefix, layer, record, None)
         else:
             record = restored[0]
         records.append(_in_layer(record, prefix, ctx.ignore))
         ctx.layer_source.unload(i, prefix, layer)
     return merge_records(records)
+
+
+def _reader(source, prefix: str, layer: nn.Module):
+    """Reads a linear of `layer` (by its full name) that the load left on meta (StreamedLayers.fetch)."""
+    fetch = getattr(source, "fetch", None)
+    return None if fetch is None else (lambda name: fetch(layer, [name.removeprefix(prefix + ".")]))
+
+
+def _settle(source, layer: nn.Module) -> None:
+    settle = getattr(source, "settle", None)
+    if settle is not None:
+        settle(layer)
 
 
 def _in_layer(record: dict, prefix: str, ignore: tuple[str, ...]) -> dict:

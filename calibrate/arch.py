@@ -114,14 +114,21 @@ def _moe_groups(attention, shared: str = "") -> tuple[tuple[str, ...], ...]:
     return (*attention, *(d + x + s for d, x, s in zip(_DENSE_MLP, _EXPERTS, extra)))
 
 
-def _mlp_pairs(block: str = "mlp", shared: str = "", passengers: tuple[str, ...] = ("gate",)) -> tuple[SmoothPair, ...]:
+def _mlp_pairs(block: str = "mlp", shared: str = "", passengers: tuple[str, ...] = ("gate",),
+               up_down: bool = True) -> tuple[SmoothPair, ...]:
     """The MLP input norm into a MoE block's experts (and shared expert), its routers passengers; or,
-    in a dense layer, into the MLP's gate and up (layer_pairs keeps the one a layer holds)."""
+    in a dense layer, into the MLP's gate and up (layer_pairs keeps the one a layer holds). With
+    up_down, each expert's (and the shared expert's, the dense MLP's) up_proj into its own down_proj:
+    down reads act(gate) * up, linear in up's rows (not so under gpt-oss's clamped GLU)."""
     experts = tuple(n.replace("mlp.", f"{block}.") for n in _EXPERTS[0])
     shared_in = (f"{shared}.gate_proj", f"{shared}.up_proj") if shared else ()
-    return (SmoothPair("post_attention_layernorm", experts + shared_in,
-                       passengers=tuple(f"{block}.{p}" for p in passengers), block=block),
-            SmoothPair("post_attention_layernorm", (f"{block}.gate_proj", f"{block}.up_proj")))
+    norm_pairs = (SmoothPair("post_attention_layernorm", experts + shared_in,
+                             passengers=tuple(f"{block}.{p}" for p in passengers), block=block),
+                  SmoothPair("post_attention_layernorm", (f"{block}.gate_proj", f"{block}.up_proj")))
+    if not up_down:
+        return norm_pairs
+    mlps = (f"{block}.experts.{{e}}", f"{block}", *((shared,) if shared else ()))
+    return norm_pairs + tuple(SmoothPair(f"{m}.up_proj", (f"{m}.down_proj",)) for m in mlps)
 
 
 _MOE = Arch(
@@ -153,7 +160,7 @@ _GLM4_MOE = replace(_MOE, groups=_moe_groups((_QKV, ("self_attn.o_proj",)), shar
 
 # gpt-oss: attention with biases and sinks (softmax only: v -> o stays linear), routed experts alone
 _GPT_OSS = replace(_MOE, groups=(_QKV, ("self_attn.o_proj",), _EXPERTS[0], _EXPERTS[1]),
-                   smooth=(*_MOE.smooth[:2], *_mlp_pairs(passengers=("router",))))
+                   smooth=(*_MOE.smooth[:2], *_mlp_pairs(passengers=("router",), up_down=False)))
 # Llama 4 (text): the MoE block is `feed_forward` (routed experts and a shared one, both reading the
 # normed hidden state; the routed ones scaled by the router's score), dense layers between them
 _L4_FFN = (("feed_forward.gate_proj", "feed_forward.up_proj"), ("feed_forward.down_proj",))
@@ -235,8 +242,16 @@ def with_experts(arch: Arch, experts: int) -> Arch:
                 + tuple(n.format(e=e) for e in range(experts) for n in names if "{e}" in n))
 
     groups = tuple(written(group) for group in arch.groups)
-    smooth = tuple(replace(pair, linears=written(pair.linears)) for pair in arch.smooth)
+    smooth = tuple(pair for template in arch.smooth for pair in _pairs_written(template, experts, written))
     return replace(arch, groups=tuple(g for g in groups if g), smooth=tuple(p for p in smooth if p.linears))
+
+
+def _pairs_written(pair: SmoothPair, experts: int, written) -> tuple[SmoothPair, ...]:
+    """A pair inside one expert (its prev names "{e}"): one per expert; else its "{e}" linears written out."""
+    if "{e}" not in pair.prev:
+        return (replace(pair, linears=written(pair.linears)),)
+    return tuple(replace(pair, prev=pair.prev.format(e=e), linears=tuple(n.format(e=e) for n in pair.linears))
+                 for e in range(experts))
 
 
 def _fallback_arch(model: nn.Module, model_type) -> Arch:

@@ -3,9 +3,10 @@
 A mixture's decoder layer is mostly experts (Qwen3-30B-A3B: 2.4 GB of them in float32 per layer,
 DeepSeek-V3: about 45 GB), and a walk that loads the whole layer holds them all. Where a step reads
 each expert's float weights only while that expert runs and while it is solved, and writes none
-of them back (GPTQ without true_sequential: each solved linear is replaced by its quantized
-module), they can stay on the meta device: `DeferredExperts` reads an expert's weights when its
-forward starts and lets them go when it ends, `fetch` reads named linears for a solve, and
+of them back (GPTQ without true_sequential, and the data-free rtn, rtn_mse and fp8: each linear
+done is replaced by its quantized module), they can stay on the meta device: `DeferredExperts`
+reads an expert's weights when its forward starts and lets them go when it ends, `fetch` reads
+named linears for a solve or a rounding (StepContext.resident), and
 `settle` reads whatever is still deferred once the step is done with the layer (experts the step
 does not quantize), so the rest of the walk finds the layer whole. Each read is the same as the
 whole layer's load (same tensors, same dtype): the figures do not change.

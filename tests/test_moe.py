@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import torch
+from torch import nn
 from safetensors import safe_open
 
 from tiny_models import SMALL_RUN
@@ -82,8 +83,19 @@ def test_every_smoothing_pair_folds_without_changing_the_float_model(sources, mo
                 fold_scale(layer, pair, 0.5 + 1.5 * torch.rand(channels, generator=generator), arch.norm_offset)
                 folded += 1
         after = model(ids).logits
-    assert folded == 2 * len({p.prev for p in arch.smooth})  # every layer: each prev once (a MoE or a dense MLP pair)
+    assert folded == sum(expected_pairs(model_type, i) for i in range(2))
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+
+
+def expected_pairs(model_type: str, layer: int) -> int:
+    """Pairs a layer folds: its attention's (DeepSeek-V3: the input norm and each latent's norm), the
+    MLP norm's (into the experts or the dense MLP), and each MLP's up -> down (every expert, a shared
+    expert, a dense MLP), which gpt-oss's clamped GLU does not allow."""
+    attention = 3 if model_type == "deepseek_v3" else 2
+    up_down = model_type != "gpt_oss"
+    if layer not in expert_layers(model_type):
+        return attention + 1 + up_down
+    return attention + 1 + up_down * (EXPERTS + (model_type in SHARED))
 
 
 ROUTERS = {"qwen3_moe": ("mlp.gate",), "qwen2_moe": ("mlp.gate", "mlp.shared_expert_gate"), "gpt_oss": ("mlp.router",),
@@ -370,6 +382,29 @@ def test_routed_calibration_names_the_starved_experts_and_their_fallback(starvin
                                                                        if n.startswith("model.layers.0.")})) + " |")
 
 
+def test_awq_scales_each_reached_expert_s_up_into_its_down_and_names_the_others(starving, tmp_path):
+    """Each expert's up -> down pair is searched on the tokens routed to it; an expert no search token
+    reached keeps its pair unscaled and results.json names it (its linears are quantized all the same)."""
+    out = tmp_path / "awq"
+    assert main(["run", "w4a16-awq", "--model", str(starving), "--output", str(out), *RUN_SETS]) == 0
+    step = next(s for s in json.loads((out / "results.json").read_text())["steps"] if s["name"] == "awq")
+    assert step["unscaled_pairs"] == [f"model.layers.{i}.mlp.experts.{e}.up_proj" for i in (0, 1) for e in (2, 3)]
+    for ratios in step["scale_ratio"]:
+        assert {"mlp.experts.0.up_proj", "mlp.experts.1.up_proj"} <= set(ratios)  # searched (None: 1 was best)
+        assert not {"mlp.experts.2.up_proj", "mlp.experts.3.up_proj"} & set(ratios)
+    results = json.loads((out / "results.json").read_text())
+    assert results["audit"]["checked"] == expected_linears("qwen3_moe")
+
+
+@pytest.mark.parametrize("moe,unscaled", [("routed", [2, 3]), ("all_experts", [])])
+def test_smoothquant_keeps_unscaled_only_experts_its_statistics_never_reached(starving, tmp_path, moe, unscaled):
+    out = tmp_path / "sq"
+    assert main(["run", "w8a8-smoothquant", "--model", str(starving), "--output", str(out), *RUN_SETS,
+                 "--set", f"calibration.moe={moe}"]) == 0
+    step = next(s for s in json.loads((out / "results.json").read_text())["steps"] if s["name"] == "smoothquant")
+    assert step["unscaled_pairs"] == [f"model.layers.{i}.mlp.experts.{e}.up_proj" for i in (0, 1) for e in unscaled]
+
+
 def test_all_experts_calibration_gives_every_expert_the_layers_tokens(starving, tmp_path):
     out = tmp_path / "all"
     assert main(["run", "w4a16-gptq", "--model", str(starving), "--output", str(out), *RUN_SETS]) == 0
@@ -403,26 +438,57 @@ def test_split_layers_are_expert_linears_in_a_loaded_model(sources):
     assert not any(p.ndim == 3 for p in model.parameters())
 
 
-STREAMED_CASES = [(t, "routed", ()) for t in ("qwen3_moe", "mixtral", "gpt_oss", "llama4_text")] + [
+STREAMED_CASES = [("w4a16-gptq", t, "routed", ()) for t in ("qwen3_moe", "mixtral", "gpt_oss", "llama4_text")] + [
     # every expert run on every token, one of them ignored (left float: read whole once GPTQ is done
     # with the layer), and true_sequential (nothing deferred: rounded values are written back)
-    (t, "all_experts", ("--set=ignore=[lm_head, 're:.*experts\\.1\\..*']",)) for t in ("qwen3_moe", "gpt_oss")] + [
-    ("qwen3_moe", "all_experts", ("--set=steps.0.gptq.true_sequential=true",))]
+    ("w4a16-gptq", t, "all_experts", ("--set=ignore=[lm_head, 're:.*experts\\.1\\..*']",))
+    for t in ("qwen3_moe", "gpt_oss")] + [
+    ("w4a16-gptq", "qwen3_moe", "all_experts", ("--set=steps.0.gptq.true_sequential=true",))] + [
+    # data-free weight steps: each expert read only when it is rounded (an ignored one once the step is done)
+    (r, t, "routed", ()) for t in ("qwen3_moe", "gpt_oss") for r in ("w4a16-rtn", "fp8-dynamic")] + [
+    ("w4a16-rtn", "qwen3_moe", "routed", ("--set=ignore=[lm_head, 're:.*experts\\.1\\..*']",))]
 
 
-@pytest.mark.parametrize("model_type,mode,sets", STREAMED_CASES)
-def test_streamed_and_resident_runs_write_the_same_bytes(sources, model_type, mode, sets, tmp_path):
+@pytest.mark.parametrize("recipe,model_type,mode,sets", STREAMED_CASES)
+def test_streamed_and_resident_runs_write_the_same_bytes(sources, recipe, model_type, mode, sets, tmp_path):
     """A streamed run reads each layer's per-expert tensors from the shards (Mixtral's under the
     hub's block_sparse_moe names; gpt-oss's and Llama 4's cut one expert at a time from the fused
     tensors the hub stores) into the same expert linears as a resident run; under GPTQ without
-    true_sequential one expert at a time (deferred_experts.py)."""
+    true_sequential, RTN and FP8 one expert at a time (deferred_experts.py)."""
     written = []
     for streaming in ("false", "true"):
         out = tmp_path / f"streaming-{streaming}"
-        assert main(["run", "w4a16-gptq", "--model", str(sources[model_type]), "--output", str(out), *RUN_SETS,
+        assert main(["run", recipe, "--model", str(sources[model_type]), "--output", str(out), *RUN_SETS,
                      f"--set=calibration.streaming={streaming}", f"--set=calibration.moe={mode}", *sets]) == 0
         written.append((out / "model.safetensors").read_bytes())
     assert written[0] == written[1]
+
+
+@pytest.mark.parametrize("recipe", ["w4a16-rtn", "fp8-dynamic"])
+def test_a_streamed_data_free_step_holds_one_float_expert_linear_at_a_time(sources, recipe, tmp_path, monkeypatch):
+    """Streamed, rtn and fp8 read each routed expert's linear from the shards only when they round
+    it (a resident run holds the layer's every expert): at each replacement, the one being replaced
+    is the only float expert linear in memory."""
+    import lowbit.quantize.steps.fp8 as fp8_step
+    import lowbit.quantize.steps.rtn as rtn_step
+
+    held = []
+
+    def counting(replace):
+        def replace_module(model, name, new):
+            if ".experts." in name:
+                held.append(sum(1 for n, m in model.named_modules()
+                                if ".experts." in n and type(m) is nn.Linear and not m.weight.is_meta))
+            return replace(model, name, new)
+        return replace_module
+
+    for module in (rtn_step, fp8_step):
+        monkeypatch.setattr(module, "replace_module", counting(module.replace_module))
+    for streaming, most in (("true", 1), ("false", 3 * EXPERTS * 2)):
+        held.clear()
+        assert main(["run", recipe, "--model", str(sources["qwen3_moe"]), "--output", str(tmp_path / streaming),
+                     *RUN_SETS, f"--set=calibration.streaming={streaming}"]) == 0
+        assert len(held) == 3 * EXPERTS * 2 and max(held) == most, (streaming, held)
 
 
 def test_a_streamed_gptq_layer_holds_an_expert_only_while_it_runs_or_is_solved(sources):

@@ -26,7 +26,7 @@ from lowbit.quantize.grids.linear import Plan
 from lowbit.quantize.steps.awq_rounded_clip import search_clip_rounded
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.fold import fold_scale, follower_index
-from lowbit.quantize.steps.smoothing import pair_index, to_prev, token_stride
+from lowbit.quantize.steps.smoothing import UNREACHED, pair_index, pair_names, to_prev, token_stride, unreached
 from lowbit.quantize.steps.spec import WALK, StepSpec
 from lowbit.quantize.targets import is_ignored, planned_targets
 
@@ -184,40 +184,52 @@ def _take_batch(value, batch: int, n: int):
     return value
 
 
+def record_calls(layer, targets: list[str], inputs: LayerInputs, device) -> dict[str, list]:
+    """Each target module's calls (args, kwargs, float output) in one layer forward, with the token
+    mask of the micro-batch each was made in where it fits the output (a routed expert reads its
+    tokens gathered, padding among them if the router sent it any)."""
+    masks = inputs.token_mask or [None] * len(inputs.hidden)
+    calls, batch = {n: [] for n in targets}, [None]
+
+    def recorder(name):
+        def hook(module, args, kwargs, output):
+            out, mask = first_output(output), masks[batch[0]]
+            fits = mask is not None and tuple(mask.shape) == tuple(out.shape[:-1])
+            calls[name].append((args, kwargs, out, mask.to(device) if fits else None))
+        return hook
+
+    def count_batch(module, args):
+        batch[0] = 0 if batch[0] is None else batch[0] + 1
+
+    hooks = [layer.register_forward_pre_hook(count_batch)]
+    hooks += [layer.get_submodule(n).register_forward_hook(recorder(n), with_kwargs=True) for n in targets]
+    try:
+        layer_forward(layer, inputs, device)
+    finally:
+        for h in hooks:
+            h.remove()
+    return calls
+
+
 class BlockError:
-    """Output error of the pair's target blocks with its linears fake-quantized under a scaling.
+    """Output error of the pair's target blocks with its linears fake-quantized under a scaling,
+    on the blocks' calls recorded in one layer forward (record_calls)."""
 
-    The blocks' calls (args, kwargs, float output) are recorded once, in one layer forward.
-    """
-
-    def __init__(self, layer, pair, inputs: LayerInputs, device, grid_of, prefix: str = ""):
+    def __init__(self, layer, pair, calls: dict[str, list], grid_of, prefix: str = ""):
         self.layer, self.pair = layer, pair
         self.quant = {n: partial(grid_of(f"{prefix}.{n}").fake_round, name=f"{prefix}.{n}") for n in pair.linears}
         self.targets = block_targets(layer, pair)
-        self.calls = {n: [] for n in self.targets}
-        hooks = [layer.get_submodule(n).register_forward_hook(self._recorder(n), with_kwargs=True)
-                 for n in self.targets]
-        try:
-            layer_forward(layer, inputs, device)
-        finally:
-            for h in hooks:
-                h.remove()
-        masks = inputs.token_mask or [None] * len(inputs.hidden)
-        self.masks = [None if m is None else m.to(device) for m in masks]
+        self.calls = {n: calls[n] for n in self.targets}
         channels, _ = pair_index(layer, pair)
         self.index = {n: follower_index(layer, n, channels) for n in pair.linears}
         self.original = {n: linear_weight(layer.get_submodule(n)).clone() for n in pair.linears}
 
-    def _recorder(self, name):
-        def hook(module, args, kwargs, output):
-            self.calls[name].append((args, kwargs, first_output(output)))
-        return hook
-
     def block_input(self) -> torch.Tensor:
         """(tokens, in) the pair's linears read: the first target's input, padding left out
-        (no rows on a rank that holds none of the leading sequences)."""
+        (no rows on a rank that holds none of the leading sequences, or for an expert no
+        token was routed to)."""
         rows = []
-        for (args, kwargs, _), mask in zip(self.calls[self.targets[0]], self.masks):
+        for args, kwargs, _, mask in self.calls[self.targets[0]]:
             x = args[0] if args else kwargs["hidden_states"]
             rows.append(x[mask] if mask is not None else x.reshape(-1, x.shape[-1]))
         if not rows:
@@ -233,9 +245,10 @@ class BlockError:
             total = 0.0
             for name in self.targets:
                 module = self.layer.get_submodule(name)
-                for (args, kwargs, ref), mask in zip(self.calls[name], self.masks):
+                for args, kwargs, ref, mask in self.calls[name]:
                     diff = (first_output(module(*args, **kwargs)) - ref).float().pow(2)
-                    total += (diff[mask] if mask is not None else diff).mean().item()
+                    diff = diff[mask] if mask is not None else diff
+                    total += diff.mean().item() if diff.numel() else 0.0
             return sum_numbers(total)[0]  # every rank's micro-batches: all pick the same scale
         finally:
             self.restore()
@@ -256,11 +269,18 @@ def scale_layer(layer, arch, prefix, inputs: LayerInputs, device, cfg: AWQConfig
     grid_of = grid_of or (lambda name: cfg.scheme)
     pairs = [p for p in layer_pairs(layer, arch.smooth)
              if not any(is_ignored(f"{prefix}.{n}", ignore) for n in p.linears)]
-    errors = [BlockError(layer, p, inputs, device, grid_of, prefix) for p in pairs]
+    calls = record_calls(layer, list(dict.fromkeys(t for p in pairs for t in block_targets(layer, p))), inputs, device)
+    errors = [BlockError(layer, p, calls, grid_of, prefix) for p in pairs]
+    del calls  # each error holds its targets' calls, freed once its pair is searched
     ratios = {}
     for pair, error in zip(pairs, errors):
         channels, index = pair_index(layer, pair)
-        x_mean = to_prev(mean_rows(error.block_input().abs()).cpu(), index, channels)
+        seen = error.block_input()
+        if sum_int(seen.shape[0]) == 0:  # an expert no search token was routed to (on any rank): kept as is
+            ratios[pair.prev] = UNREACHED
+            error.calls.clear()
+            continue
+        x_mean = to_prev(mean_rows(seen.abs()).cpu(), index, channels)
         grid = grid_of(f"{prefix}.{pair.linears[0]}")  # a pair's linears share its groups' width
         w_mean = to_prev(weight_magnitude([w.float().cpu() for w in error.original.values()], grid),
                          index, channels)
@@ -327,13 +347,16 @@ def apply(ctx: StepContext, cfg: AWQConfig) -> dict:
         ratios = scale_layer(layer, ctx.arch, prefix, sample, ctx.device, cfg, ignore, grids.__getitem__)
         clipped = (clip_layer(layer, ctx.arch, prefix, inputs, ctx.device, cfg, ignore, grids.__getitem__)
                    if cfg.clip else [])
-        return {"ratios": ratios, "clipped": clipped}
+        return {"ratios": {k: r for k, r in ratios.items() if r != UNREACHED}, "clipped": clipped,
+                "unreached": unreached(prefix, ratios)}
 
     per_layer = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="awq",
                      store=ctx.layer_store, source=ctx.layer_source, offload=ctx.offload)
-    return {"scaled_pairs": list(dict.fromkeys(p.prev for p in ctx.arch.smooth)),
+    return {"scaled_pairs": pair_names(ctx.arch.smooth),
             "scale_ratio": [r["ratios"] for r in per_layer],
-            "clipped": sorted({n for r in per_layer for n in r["clipped"]})}
+            "clipped": sorted({n for r in per_layer for n in r["clipped"]}),
+            # up_proj of experts no search token reached: their up -> down pair kept unscaled
+            "unscaled_pairs": [n for r in per_layer for n in r["unreached"]]}
 
 
 def _tokens(inputs: LayerInputs) -> int:

@@ -26,7 +26,15 @@ class StepContext:
     # a resident run observes them through whole-model forwards
     observed: dict = field(default_factory=dict)
     offload: Optional[Offload] = None  # where a walk's activations wait between layers (None: on device)
+    # streamed data-free steps: reads a linear (full name) whose weights the layer's load left on meta
+    # (a routed expert, read only when it is rounded: app/streamed.py)
+    read_deferred: Optional[Callable[[str], None]] = None
     _batches: Optional[torch.Tensor] = None
+
+    def resident(self, name: str, module: nn.Module) -> None:
+        """The linear's weights in memory: read now where the load deferred them."""
+        if self.read_deferred is not None and module.weight.is_meta:
+            self.read_deferred(name)
 
     @property
     def batches(self) -> torch.Tensor:

@@ -65,6 +65,7 @@ def apply(ctx: StepContext, cfg: FP8Config) -> dict:
         rounded_nearest = {n: m for n, m in targets.linears.items() if n in result["round_to_nearest"]}
     progress = Progress("fp8", len(rounded_nearest), "linears")
     for name, module in rounded_nearest.items():
+        ctx.resident(name, module)
         fw = quantize_weight_fp8(linear_weight(module), cfg.scheme.strategy, cfg.scheme.format, cfg.scheme.block_size)
         new = FP8Linear.from_weight(fw, module.bias, cfg.activations, input_scales.get(name))
         replace_module(ctx.model, name, new)

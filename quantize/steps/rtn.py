@@ -38,6 +38,7 @@ def round_each(ctx: StepContext, plan, label: str,
     names = list(targets.linears)
     for name in names:  # popped: each float weight is freed once its replacement is in place
         module = targets.linears.pop(name)
+        ctx.resident(name, module)
         weight = (rounding or grids[name].round)(linear_weight(module), name)
         replace_module(ctx.model, name, module_for(weight, module.bias))
         del module

@@ -32,11 +32,27 @@ class PairInput:
     sample: torch.Tensor  # (about max_tokens, in) evenly strided tokens for the searches
 
 
+# a pair inside an expert that no calibration token was routed to: left unscaled (the expert is still
+# quantized by the weight step), named in results.json
+UNREACHED = "unreached"
+
+
+def pair_names(pairs) -> list[str]:
+    """results.json's list of an architecture's smoothing pairs, by prev; the experts' own up -> down
+    pairs as one entry."""
+    names = list(dict.fromkeys(p.prev for p in pairs if ".experts." not in p.prev))
+    return names + (["experts' up_proj -> down_proj"] if any(".experts." in p.prev for p in pairs) else [])
+
+
+def unreached(prefix: str, chosen: dict) -> list[str]:
+    return [f"{prefix}.{prev}" for prev, value in chosen.items() if value == UNREACHED]
+
+
 class InputCollector:
     """Accumulates PairInput statistics from the walker's record_linear_inputs callback."""
 
-    def __init__(self, stride: int):
-        self.stride, self.absmax = stride, ChannelAbsMax()
+    def __init__(self, stride: int, width: int):
+        self.stride, self.width, self.absmax = stride, width, ChannelAbsMax()
         self.abs_sum, self.count, self.rows = None, 0, []
 
     def update(self, x2d: torch.Tensor) -> None:
@@ -47,10 +63,16 @@ class InputCollector:
         self.count += x2d.shape[0]
         self.rows.append(x2d[:: self.stride].clone())
 
-    def result(self) -> PairInput:
-        """Over every rank's tokens (the sample stays this rank's share of the global sample)."""
+    def result(self) -> Optional[PairInput]:
+        """Over every rank's tokens (the sample stays this rank's share of the global sample); None
+        where no rank saw a token (an expert the router never picked). A rank that saw none adds zeros."""
         count = sum_int(self.count)
-        return PairInput(all_max(self.absmax.value), (all_sum(self.abs_sum) / max(count, 1)).float(), torch.cat(self.rows))
+        if count == 0:
+            return None
+        absmax = self.absmax.value if self.absmax.value is not None else torch.zeros(self.width)
+        abs_sum = self.abs_sum if self.abs_sum is not None else torch.zeros(self.width, dtype=torch.float64)
+        rows = torch.cat(self.rows) if self.rows else torch.zeros(0, self.width)
+        return PairInput(all_max(absmax), (all_sum(abs_sum) / count).float(), rows)
 
 
 def token_stride(hidden: list[torch.Tensor], max_tokens: int) -> int:

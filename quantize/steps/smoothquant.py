@@ -11,19 +11,22 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.calibrate.arch import layer_pairs
+from lowbit.calibrate.arch import layer_pairs, linear_weight
 from lowbit.calibrate.walker import record_linear_inputs, walk
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.fold import fold_scale
 from lowbit.quantize.steps.smoothing import (
+    UNREACHED,
     InputCollector,
     PairError,
     pair_index,
+    pair_names,
     pair_weights,
     per_token_int8,
     to_prev,
     token_stride,
+    unreached,
     weight_quantizer,
 )
 from lowbit.quantize.steps.spec import WALK, StepSpec
@@ -68,13 +71,18 @@ def choose_scale(x_absmax, weights, index, channels, cfg: SmoothQuantConfig, err
 def smooth_layer(layer, arch, inputs, device, cfg: SmoothQuantConfig) -> dict:
     pairs = layer_pairs(layer, arch.smooth)
     # a MoE pair's statistic is its block's input (every token), not expert 0's routed tokens
-    collectors = {p.block or p.linears[0]: InputCollector(token_stride(inputs.hidden, cfg.max_tokens)) for p in pairs}
+    stride = token_stride(inputs.hidden, cfg.max_tokens)
+    collectors = {p.block or p.linears[0]: InputCollector(stride, linear_weight(layer.get_submodule(p.linears[0])).shape[1])
+                  for p in pairs}
     record_linear_inputs(layer, list(collectors), inputs, device,
                          lambda name, x: collectors[name].update(x))
     quant_w = weight_quantizer(cfg.scheme)
     chosen = {}
     for pair in pairs:
         stats = collectors[pair.block or pair.linears[0]].result()
+        if stats is None:  # an expert no calibration token was routed to: its up -> down pair kept unscaled
+            chosen[pair.prev] = UNREACHED
+            continue
         weights = pair_weights(layer, pair)
         channels, index = pair_index(layer, pair)
         error = PairError(stats.sample, weights, quant_w, per_token_int8) if cfg.alpha_grid else None
@@ -88,12 +96,14 @@ def apply(ctx: StepContext, cfg: SmoothQuantConfig) -> dict:
     if not ctx.arch.smooth:
         raise ValueError("smoothquant: the architecture table has no smoothing pairs for this model "
                          "(an unknown architecture?); add its row to calibrate/arch.py")
-    alphas = walk(ctx.model, ctx.arch, ctx.batches,
-                  lambda i, name, layer, inputs: smooth_layer(layer, ctx.arch, inputs, ctx.device, cfg),
+    chosen = walk(ctx.model, ctx.arch, ctx.batches,
+                  lambda i, name, layer, inputs: (name, smooth_layer(layer, ctx.arch, inputs, ctx.device, cfg)),
                   device=ctx.device, label="smoothquant", store=ctx.layer_store, source=ctx.layer_source,
                   offload=ctx.offload)
-    return {"smoothed_pairs": list(dict.fromkeys(p.prev for p in ctx.arch.smooth)), "alpha": cfg.alpha,
-            "alphas_chosen": alphas if cfg.alpha_grid else None}
+    alphas = [{prev: a for prev, a in layer.items() if a != UNREACHED} for _, layer in chosen]
+    return {"smoothed_pairs": pair_names(ctx.arch.smooth), "alpha": cfg.alpha,
+            "alphas_chosen": alphas if cfg.alpha_grid else None,
+            "unscaled_pairs": [n for name, layer in chosen for n in unreached(name, layer)]}
 
 
 SPEC = StepSpec("smoothquant", SmoothQuantConfig, apply,
