@@ -8,9 +8,10 @@ Memory: one decoder layer in the calibration dtype (float32) plus what the step 
 (GPTQ: one Hessian per input, in² x 4 bytes), the calibration activations (walker.py) and, while
 inputs are captured, the token embedding. A mixture's layer under GPTQ without true_sequential
 holds one routed expert in float32 at a time (calibrate/deferred_experts.py) beside its quantized
-ones and their Hessians; under rtn, rtn_mse and fp8 one expert linear, read as it is rounded. Disk: one copy of the layers per step, in float32 where
-they stay float. The embedding, final norm and LM head are read from the shards as they are: a
-streamed run leaves them unquantized (lm_head must stay in `ignore`).
+ones and their Hessians; under rtn, rtn_mse and fp8 one expert linear, read as it is rounded.
+Disk: one copy of the layers per step, in float32 where they stay float. The embedding, final
+norm and LM head are read from the shards as they are: a streamed run leaves them unquantized
+(lm_head must stay in `ignore`).
 """
 from __future__ import annotations
 

@@ -491,6 +491,26 @@ def test_a_streamed_data_free_step_holds_one_float_expert_linear_at_a_time(sourc
         assert len(held) == 3 * EXPERTS * 2 and max(held) == most, (streaming, held)
 
 
+def test_a_streamed_rtn_run_interrupted_after_a_layer_resumes_to_the_same_bytes(sources, tmp_path, monkeypatch):
+    """The finished layer is restored over a load that left its experts on meta; nothing is read twice
+    into the wrong place and the checkpoint is the uninterrupted run's."""
+    from test_resume import Interrupt, interrupt_after
+    from lowbit.app.run import run
+    from lowbit.recipes.schema import load_recipe
+
+    recipe = load_recipe("w4a16-rtn", (*SMALL_RUN, f"model={sources['qwen3_moe']}", "calibration.streaming=true"))
+    run(recipe, tmp_path / "whole")
+    saves = []
+    interrupt_after(monkeypatch, "step0", 0, saves)
+    with pytest.raises(Interrupt):
+        run(recipe, tmp_path / "resumed")
+    saves.clear()
+    run(recipe, tmp_path / "resumed", resume=True)
+    assert saves == [("step0", 1)]
+    assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == \
+        (tmp_path / "whole" / "model.safetensors").read_bytes()
+
+
 def test_a_streamed_gptq_layer_holds_an_expert_only_while_it_runs_or_is_solved(sources):
     """The layer loads with its experts on meta; a forward reads each expert for its own run only;
     a solve's fetch reads the linears named; settle reads the rest, and the layer is whole again."""

@@ -72,8 +72,7 @@ def smooth_layer(layer, arch, inputs, device, cfg: SmoothQuantConfig) -> dict:
     pairs = layer_pairs(layer, arch.smooth)
     # a MoE pair's statistic is its block's input (every token), not expert 0's routed tokens
     stride = token_stride(inputs.hidden, cfg.max_tokens)
-    collectors = {p.block or p.linears[0]: InputCollector(stride, linear_weight(layer.get_submodule(p.linears[0])).shape[1])
-                  for p in pairs}
+    collectors = {p.block or p.linears[0]: InputCollector(stride, _in_features(layer, p.linears[0])) for p in pairs}
     record_linear_inputs(layer, list(collectors), inputs, device,
                          lambda name, x: collectors[name].update(x))
     quant_w = weight_quantizer(cfg.scheme)
@@ -90,6 +89,10 @@ def smooth_layer(layer, arch, inputs, device, cfg: SmoothQuantConfig) -> dict:
         fold_scale(layer, pair, scale, arch.norm_offset)
         chosen[pair.prev] = alpha
     return chosen
+
+
+def _in_features(layer, name: str) -> int:
+    return linear_weight(layer.get_submodule(name)).shape[1]
 
 
 def apply(ctx: StepContext, cfg: SmoothQuantConfig) -> dict:
