@@ -234,9 +234,9 @@ def apply_per_layer(spec, cfg, ctx: StepContext) -> dict:
         restored = ctx.layer_store.restore(i, prefix, layer)
         if restored is None:
             scoped = dataclasses.replace(ctx, ignore=ctx.ignore + (f"re:(?!{re.escape(prefix)}\\.).*",),
-                                         read_deferred=_reader(ctx.layer_source, prefix, layer))
+                                         read_deferred=_deferred_reader(ctx.layer_source, prefix, layer))
             record = spec.apply(scoped, cfg)
-            _settle(ctx.layer_source, layer)  # experts the step left float are read before the layer is saved
+            ctx.layer_source.settle(layer)  # experts the step left float are read before the layer is saved
             ctx.layer_store.save(i, prefix, layer, record, None)
         else:
             record = restored[0]
@@ -245,16 +245,9 @@ def apply_per_layer(spec, cfg, ctx: StepContext) -> dict:
     return merge_records(records)
 
 
-def _reader(source, prefix: str, layer: nn.Module):
-    """Reads a linear of `layer` (by its full name) that the load left on meta (StreamedLayers.fetch)."""
-    fetch = getattr(source, "fetch", None)
-    return None if fetch is None else (lambda name: fetch(layer, [name.removeprefix(prefix + ".")]))
-
-
-def _settle(source, layer: nn.Module) -> None:
-    settle = getattr(source, "settle", None)
-    if settle is not None:
-        settle(layer)
+def _deferred_reader(source: StreamedLayers, prefix: str, layer: nn.Module):
+    """Reads a linear of `layer` (by its full name) that the load left on meta."""
+    return lambda name: source.fetch(layer, [name.removeprefix(prefix + ".")])
 
 
 def _in_layer(record: dict, prefix: str, ignore: tuple[str, ...]) -> dict:

@@ -6,14 +6,12 @@ import pytest
 import torch
 
 from gguf_models import gguf_tiny, smollm2_tokenizer
-from tiny_moe import moe_config
+from tiny_moe import LLAMA3_ROPE, moe_config
 from lowbit.export import checkpoint
 from lowbit.export.config import ExportConfig
 from lowbit.export.formats.gguf.names import arch_of
 from lowbit.export.formats.gguf.rope import rope_freqs
 
-LLAMA3 = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-              original_max_position_embeddings=64)
 
 
 def test_rope_freqs_are_the_divisors_transformers_applies():
@@ -21,7 +19,7 @@ def test_rope_freqs_are_the_divisors_transformers_applies():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters=LLAMA3)
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters=LLAMA3_ROPE)
     divisors = rope_freqs(config)
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     dim = 64
@@ -34,7 +32,7 @@ def test_rope_freqs_are_the_divisors_transformers_applies():
 
 def test_a_llama_with_llama3_rope_writes_its_divisors_and_reads_back(tmp_path):
     tokenizer = smollm2_tokenizer()
-    model = gguf_tiny("llama", rope_parameters=LLAMA3, tie_word_embeddings=True)
+    model = gguf_tiny("llama", rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)
     out = checkpoint.save(model, tokenizer, tmp_path / "ckpt", ExportConfig(format="gguf", dtype="float32"))
     tensors = {t.name: t for t in gguf.GGUFReader(str(out / "model.gguf")).tensors}
     torch.testing.assert_close(torch.from_numpy(tensors["rope_freqs.weight"].data.copy()), rope_freqs(model.config))

@@ -12,7 +12,7 @@ import torch
 
 from test_moe import expected_linears, lowbit_logits
 from tiny_models import SMALL_RUN
-from tiny_moe import EXPERTS, expert_layers, experts_at, save_tiny_moe
+from tiny_moe import EXPERTS, LLAMA3_ROPE, expert_layers, experts_at, save_tiny_moe
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 from lowbit.app.cli import main
 
@@ -36,9 +36,7 @@ CASES = {
     "gpt_oss": ("gguf-q4_0", dict(intermediate_size=128)),
     # a dense first layer, then routed experts under feed_forward scored on their input and a shared
     # expert; Llama 3's RoPE scaling as llama.cpp's rope_freqs tensor. transformers reads no Llama 4 GGUF
-    "llama4_text": ("gguf-q4_0", dict(intermediate_size=128, rope_parameters=dict(
-        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=64))),
+    "llama4_text": ("gguf-q4_0", dict(intermediate_size=128, rope_parameters=LLAMA3_ROPE)),
     # latent attention with kv_b_proj whole (llama.cpp's MHA path), sigmoid routing over 2 expert groups
     # of which the router keeps 1, a shared expert, a dense first layer
     "deepseek_v3": ("gguf-q4_0", dict(moe_intermediate_size=128, n_group=2, topk_group=1)),

@@ -14,15 +14,13 @@ import torch
 
 from llama_cpp_runs import llama_cpp_perplexity, lowbit_perplexity, needs_llama_cpp
 from tiny_models import SMALL_RUN, save_tiny_llama
-from tiny_moe import save_tiny_moe
+from tiny_moe import LLAMA3_ROPE, save_tiny_moe
 from lowbit.calibrate.data import load_text
 from lowbit.app.cli import main
 
 pytestmark = needs_llama_cpp
 
 WIDE = dict(initializer_range=0.15)
-LLAMA3 = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-              original_max_position_embeddings=64)  # shorter than a chunk: the scaling shows
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32.0,
             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)  # DeepSeek's, with its attention mscale
 CASES = {
@@ -39,7 +37,7 @@ CASES = {
     ("gpt_oss", "gguf-q4_0"): dict(sliding_window=32),
     ("gpt_oss", "gguf-q8_0"): dict(sliding_window=32),  # its experts MXFP4, as released (SETS)
     # 4 layers: the fourth without RoPE (temperature tuning there), MoE on every other; Llama 3's RoPE
-    ("llama4_text", "gguf-q4_0"): dict(num_hidden_layers=4, rope_parameters=LLAMA3),
+    ("llama4_text", "gguf-q4_0"): dict(num_hidden_layers=4, rope_parameters=LLAMA3_ROPE),
     # latent attention, sigmoid routing over 2 groups of which 1 is kept, a selection bias
     ("deepseek_v3", "gguf-q4_0"): dict(n_group=2, topk_group=1),
 }
@@ -91,13 +89,13 @@ def test_llama_cpp_runs_the_experts_as_lowbit_does(model_type, recipe, tmp_path)
 # expert-group keys 1.8% (DeepSeek-V3) and 0.9% (GLM-4.5), no YaRN log multiplier 6.8%; the files as
 # written agree within 2e-4
 FLOAT_CASES = {
-    "llama4_text": dict(num_hidden_layers=4, rope_parameters=LLAMA3),
+    "llama4_text": dict(num_hidden_layers=4, rope_parameters=LLAMA3_ROPE),
     "deepseek_v3": dict(n_group=2, topk_group=1),
     "deepseek_v3-yarn": dict(rope_scaling=None, rope_parameters=YARN),
     "glm4_moe": dict(n_group=2, topk_group=1, attention_bias=True),
     # a dense Llama 3: the same tensor in llama.cpp's llama graph (narrower init: at 0.15 this
     # 128-wide model is 0.06% apart with default RoPE too)
-    "llama": dict(rope_parameters=LLAMA3, initializer_range=0.06),
+    "llama": dict(rope_parameters=LLAMA3_ROPE, initializer_range=0.06),
 }
 
 

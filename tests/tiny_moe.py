@@ -35,6 +35,9 @@ EXTRA = {
                      first_k_dense_replace=1, n_group=2, topk_group=1, use_qk_norm=True, head_dim=16,
                      norm_topk_prob=True),
 }
+# Llama 3's RoPE scaling with a short original context, so that its divisors show within a 128-token chunk
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
 # per layer: routed experts x (gate, up, down), the dense layers' MLP, a shared expert's projections
 EXPERT_LAYERS = {"deepseek_v3": [1], "llama4_text": [1], "glm4_moe": [1]}
 # inside a decoder layer, where the routed experts sit
