@@ -170,8 +170,9 @@ def test_streamed_run_never_loads_the_model(tiny, tmp_path, monkeypatch):
 
 # a streamed `lowbit run` that announces each layer it saves and waits after `STOP_AFTER`: the test
 # kills it there for real (SIGKILL), as a crash or an out-of-memory kill would
+# (STOP_AFTER in its environment: another layer than 1)
 STOPS_AFTER_A_LAYER = """
-import sys, time
+import os, sys, time
 from lowbit.app import resume
 from lowbit.app.cli import main
 
@@ -179,7 +180,7 @@ save = resume.StepLayers.save
 def announce(self, index, *args):
     save(self, index, *args)
     print(f"SAVED {self.folder.name} {index}", flush=True)
-    if (self.folder.name, index) == ("step0", 1):
+    if (self.folder.name, index) == ("step0", int(os.environ.get("STOP_AFTER", "1"))):
         time.sleep(600)
 resume.StepLayers.save = announce
 sys.exit(main(sys.argv[1:]))
