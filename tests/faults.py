@@ -1,5 +1,5 @@
 """Real faults for tests: a file-size limit (writes fail with EFBIG), and a `lowbit run` in a
-second process that stops in its evaluation, to be interrupted or killed there."""
+second process that stops in its evaluation or after a layer, to be interrupted or killed there."""
 from __future__ import annotations
 
 import resource
@@ -97,3 +97,38 @@ def start_run_at_results_stage(args: list[str], cwd, **env: str) -> subprocess.P
         proc.kill()
         raise AssertionError(f"the run ended before its results stage: {proc.communicate()[1][-3000:]}")
     return proc
+
+
+# a streamed `lowbit run` that announces each layer it saves and waits after step0's layer STOP_AFTER
+# (its environment; default 1): the test kills it there for real (SIGKILL), as a crash or an
+# out-of-memory kill would
+STOPS_AFTER_A_LAYER = """
+import os, sys, time
+from lowbit.app import resume
+from lowbit.app.cli import main
+
+save = resume.StepLayers.save
+def announce(self, index, *args):
+    save(self, index, *args)
+    print(f"SAVED {self.folder.name} {index}", flush=True)
+    if (self.folder.name, index) == ("step0", int(os.environ.get("STOP_AFTER", "1"))):
+        time.sleep(600)
+resume.StepLayers.save = announce
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def kill_run_after_layer(args: list[str], layer: int) -> int:
+    """Run `lowbit <args>` in a second process, SIGKILL it once step0 has saved `layer`; its return code."""
+    import os
+
+    child = subprocess.Popen([sys.executable, "-c", STOPS_AFTER_A_LAYER, *args], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", "STOP_AFTER": str(layer)})
+    try:
+        for line in child.stdout:
+            if line.startswith(f"SAVED step0 {layer}"):
+                break
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(timeout=60)
+    return child.returncode

@@ -494,28 +494,15 @@ def test_a_streamed_data_free_step_holds_one_float_expert_linear_at_a_time(sourc
 def test_a_streamed_rtn_run_killed_after_a_layer_resumes_to_the_same_bytes(sources, tmp_path):
     """Killed for real (SIGKILL) once layer 0 is saved: on --resume the finished layer is restored over
     a load that left its experts on meta, and the checkpoint is the uninterrupted run's."""
-    import os
     import signal
-    import subprocess
-    import sys
 
-    from test_streamed_run import STOPS_AFTER_A_LAYER
+    from faults import kill_run_after_layer
     from lowbit.app import resume
 
     args = ["run", "w4a16-rtn", "--model", str(sources["qwen3_moe"]), *RUN_SETS, "--set=calibration.streaming=true"]
     assert main([*args, "--output", str(tmp_path / "whole")]) == 0
     out = tmp_path / "killed"
-    child = subprocess.Popen([sys.executable, "-c", STOPS_AFTER_A_LAYER, *args, "--output", str(out)],
-                             stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1", "STOP_AFTER": "0"})
-    try:
-        for line in child.stdout:
-            if line.startswith("SAVED step0 0"):
-                break
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.wait(timeout=60)
-    assert child.returncode == -signal.SIGKILL and not out.exists()
+    assert kill_run_after_layer([*args, "--output", str(out)], 0) == -signal.SIGKILL and not out.exists()
     assert resume.finished_layers(resume.resume_dir(out)) == 1
     assert main([*args, "--output", str(out), "--resume"]) == 0
     assert (out / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()

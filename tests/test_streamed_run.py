@@ -4,10 +4,7 @@ resident run's, byte for byte."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from faults import kill_run_after_layer
 from streaming_models import save_sharded_tiny
 from tiny_models import PINNED_RUN, save_tiny_llama
 from lowbit.calibrate.arch import arch_for, decoder_layers
@@ -168,40 +166,12 @@ def test_streamed_run_never_loads_the_model(tiny, tmp_path, monkeypatch):
     assert results["quality"]["baseline_perplexity"] > 0  # measured streamed
 
 
-# a streamed `lowbit run` that announces each layer it saves and waits after `STOP_AFTER`: the test
-# kills it there for real (SIGKILL), as a crash or an out-of-memory kill would
-# (STOP_AFTER in its environment: another layer than 1)
-STOPS_AFTER_A_LAYER = """
-import os, sys, time
-from lowbit.app import resume
-from lowbit.app.cli import main
-
-save = resume.StepLayers.save
-def announce(self, index, *args):
-    save(self, index, *args)
-    print(f"SAVED {self.folder.name} {index}", flush=True)
-    if (self.folder.name, index) == ("step0", int(os.environ.get("STOP_AFTER", "1"))):
-        time.sleep(600)
-resume.StepLayers.save = announce
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_killed_streamed_run_resumes_to_the_same_checkpoint(tiny, tmp_path):
     settings = [x for item in (*PINNED_RUN, "calibration.streaming=true") for x in ("--set", item)]
     assert main(["run", "w4a16-gptq", "--model", str(tiny), "--output", str(tmp_path / "whole"), *settings]) == 0
     out = tmp_path / "killed"
-    child = subprocess.Popen([sys.executable, "-c", STOPS_AFTER_A_LAYER, "run", "w4a16-gptq", "--model", str(tiny),
-                              "--output", str(out), *settings], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        for line in child.stdout:
-            if line.startswith("SAVED step0 1"):
-                break
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.wait(timeout=60)
-    assert child.returncode == -signal.SIGKILL and not out.exists()
+    code = kill_run_after_layer(["run", "w4a16-gptq", "--model", str(tiny), "--output", str(out), *settings], 1)
+    assert code == -signal.SIGKILL and not out.exists()
     assert resume.finished_layers(resume.resume_dir(out)) == 2
     start = time.perf_counter()
     assert main(["run", "w4a16-gptq", "--model", str(tiny), "--output", str(out), "--resume", *settings]) == 0
