@@ -25,6 +25,7 @@ from torch import nn
 
 from lowbit.calibrate.arch import linear_weight
 from lowbit.calibrate.distributed import all_max, all_min, all_sum, world
+from lowbit.calibrate.hardware import denormals_flushed
 from lowbit.calibrate.walker import first_output, forward_context, layer_forward, to_device, walk
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.learned import VIEWS, learnable, learned_view
@@ -90,9 +91,10 @@ def apply(ctx: StepContext, cfg: SignRoundConfig) -> dict:
             del targets.linears[f"{prefix}.{name}"]
         return record
 
-    layers = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="signround",
-                  micro_batch=cfg.batch, forward_dtype=forward_dtype, final_outputs=False,
-                  store=ctx.layer_store, source=ctx.layer_source, offload=ctx.offload)
+    with denormals_flushed():
+        layers = walk(ctx.model, ctx.arch, ctx.batches, on_layer, device=ctx.device, label="signround",
+                      micro_batch=cfg.batch, forward_dtype=forward_dtype, final_outputs=False,
+                      store=ctx.layer_store, source=ctx.layer_source, offload=ctx.offload)
     round_outside(ctx, outside, grids, "signround")  # lm_head sees no decoder-layer output to match
     return {"quantized": list(grids), "ignored": targets.ignored, "round_to_nearest": list(outside),
             "forward_dtype": str(forward_dtype).removeprefix("torch."), **cfg.scheme.record(grids),
