@@ -24,7 +24,7 @@ from lowbit.calibrate.hardware import resolve_device
 from lowbit.calibrate.models import load_model
 from lowbit.quantize.steps.context import StepContext
 
-from .stepping import ResidentLayers, apply_steps, rank_samples, timer
+from .stepping import ResidentLayers, apply_steps, float_model, rank_samples, stored_dtype, timer
 
 PEER_EXIT = 3  # a rank's exit code when a collective failed under it: another rank is the cause
 
@@ -117,6 +117,7 @@ def calibrate_only(recipe) -> dict:
     timed = timer({})
     arch = arch_for(model)
     ctx = StepContext(model, arch, recipe.ignore, lambda: rank_samples(recipe, tokenizer, timed),
-                      device=resolve_device(recipe.calibration.device))
+                      device=resolve_device(recipe.calibration.device), reference=float_model(recipe),
+                      stored_dtype=stored_dtype(recipe))
     apply_steps(recipe, ctx, ResidentLayers(model, arch, lambda index: None), timed)  # rank 0 keeps the layers
     return {}

@@ -40,7 +40,7 @@ from .lock import output_lock
 from .preflight import preflight, preflight_settings
 from .fit_recipe import resolve_fit
 from .resume import RunProgress
-from .stepping import ResidentLayers, apply_steps, rank_samples, timer
+from .stepping import ResidentLayers, apply_steps, float_model, rank_samples, stored_dtype, timer
 from .streamed import StreamedRun, load_skeleton, streaming_folder
 
 TIMINGS = ("load_s", "calibrate_s", "quantize_s", "export_s", "evaluate_s")
@@ -102,6 +102,8 @@ def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:
     arch = arch_for(model)
     audit = RunAudit(recipe, model, arch)  # what each step should leave, read from the float model
     ctx = step_context(recipe, model, arch, tokenizer, timed, progress)
+    if folder is None:  # a streamed model is never resident twice
+        ctx.reference = float_model(recipe)
     layers = (ResidentLayers(model, arch, lambda index: resident_store(progress, index)) if weights is None
               else StreamedRun(model, arch, weights, progress))
     steps, source = apply_steps(recipe, ctx, layers, timed)
@@ -148,7 +150,7 @@ def step_context(recipe: Recipe, model, arch, tokenizer, timed, progress: RunPro
     activation_bytes = cal.samples * cal.seq_len * model.config.get_text_config().hidden_size * 4
     offload = resolve_offload(cal.offload, device, activation_bytes, progress.folder / "activations")
     return StepContext(model, arch, recipe.ignore, lambda: rank_samples(recipe, tokenizer, timed), device=device,
-                       offload=offload)
+                       offload=offload, stored_dtype=stored_dtype(recipe))
 
 
 def model_info(recipe: Recipe, model) -> dict:
@@ -180,9 +182,7 @@ def evaluate_checkpoint(recipe: Recipe, folder: Path, exported: dict) -> Results
         reference = Reference(recipe.model, None, weight_bytes=exported["baseline_bytes"],
                               stream_from=exported["streamed_from"])
     else:
-        reference = Reference(recipe.model, lambda: load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
-                                                               allow_pickle=recipe.allow_pickle)[0],
-                              weight_bytes=exported["baseline_bytes"])
+        reference = Reference(recipe.model, float_model(recipe), weight_bytes=exported["baseline_bytes"])
     return evaluate(folder, recipe.evaluate, reference, trust_remote_code=recipe.trust_remote_code)
 
 

@@ -16,6 +16,7 @@ from lowbit.calibrate.data import calibration_batches
 from lowbit.calibrate.distributed import SHARE_UNIT, sample_share, world
 from lowbit.calibrate.experts import calibrating
 from lowbit.calibrate.layer_source import LayerSource, LayerStore, MemoryLayers
+from lowbit.calibrate.models import load_model
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.registry import STEPS
 from lowbit.recipes.schema import Recipe
@@ -81,6 +82,17 @@ def apply_steps(recipe: Recipe, ctx: StepContext, layers: RunLayers, timed) -> t
         steps.append({"name": step.name, "seconds": time.perf_counter() - start, **detail})
         stores.append(ctx.layer_store)
     return steps, layers.finished(stores)
+
+
+def float_model(recipe: Recipe) -> Callable[[], nn.Module]:
+    """Loads the recipe's model again, as it was before any step (the evaluation's baseline, distill's teacher)."""
+    return lambda: load_model(recipe.model, trust_remote_code=recipe.trust_remote_code,
+                              allow_pickle=recipe.allow_pickle)[0]
+
+
+def stored_dtype(recipe: Recipe) -> torch.dtype:
+    """The dtype the checkpoint holds float tensors and scales in (steps that learn them round to it)."""
+    return getattr(torch, recipe.export.dtype)
 
 
 def rank_samples(recipe: Recipe, tokenizer, timed) -> torch.Tensor:

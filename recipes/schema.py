@@ -152,6 +152,7 @@ def parse_recipe(data: dict, source: str) -> Recipe:
     steps = tuple(parse_step(item, source, f"steps[{i}]", recipe.scheme) for i, item in enumerate(steps_data))
     check_search_grids(steps, source)
     check_first_steps(steps, source)
+    check_after_weights(steps, source)
     return Recipe(**{**recipe.__dict__, "steps": steps})
 
 
@@ -215,6 +216,14 @@ def check_first_steps(steps: tuple[Step, ...], source: str) -> None:
         if i > 0 and STEPS[step.name].runs_first:
             raise RecipeError(source, f"steps[{i}].{step.name}", "must be the recipe's first step: it rewrites the "
                               "float model that every later step calibrates on and quantizes")
+
+
+def check_after_weights(steps: tuple[Step, ...], source: str) -> None:
+    """A step that trains quantized weights (distill) comes after a step that writes them."""
+    for i, step in enumerate(steps):
+        if STEPS[step.name].follows_weights and not any(STEPS[s.name].writes(s.config) for s in steps[:i]):
+            raise RecipeError(source, f"steps[{i}].{step.name}", "must come after a weight step (rtn, gptq, "
+                              "signround, ...): it trains the scales that step writes")
 
 
 def check_search_grids(steps: tuple[Step, ...], source: str) -> None:

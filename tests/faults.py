@@ -8,20 +8,20 @@ import subprocess
 import sys
 from contextlib import contextmanager
 
-# `lowbit run …` whose perplexity evaluation (after export) announces itself and waits: the test
-# decides when it is interrupted (SIGINT) or killed (SIGKILL). Everything before it is the real run.
-STOPS_IN_EVALUATION = """
-import signal, sys, time
-import lowbit.evaluate.evaluation as evaluation
+# `lowbit run …` where one function (argv[1], dotted) announces itself and waits instead of running:
+# the test decides when it is interrupted (SIGINT) or killed (SIGKILL). Everything before it is the real run.
+STOPS_IN = """
+import importlib, signal, sys, time
 from lowbit.app.cli import main
 
-def evaluating(*args, **kwargs):
-    print("EVALUATING", flush=True)
+def stopped(*args, **kwargs):
+    print("STOPPED", flush=True)
     time.sleep(600)
 
+module, name = sys.argv[1].rsplit(".", 1)
 signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, as in a terminal
-evaluation.perplexity = evaluating  # the checkpoint's perplexity, first of its figures
-sys.exit(main(sys.argv[1:]))
+setattr(importlib.import_module(module), name, stopped)
+sys.exit(main(sys.argv[2:]))
 """
 
 
@@ -46,16 +46,22 @@ def file_size_limit(nbytes: int):
         signal.signal(signal.SIGXFSZ, old_handler)
 
 
-def start_run_stopping_in_evaluation(args: list[str], cwd) -> subprocess.Popen:
-    """Start `lowbit ARGS` in a second process; returns once it has reached its evaluation.
-    cwd: not the repository root, whose evaluate/ would shadow Hugging Face's on sys.path."""
-    proc = subprocess.Popen([sys.executable, "-c", STOPS_IN_EVALUATION, *args], stdout=subprocess.PIPE,
+def start_run_stopping_in(function: str, args: list[str], cwd) -> subprocess.Popen:
+    """Start `lowbit ARGS` in a second process; returns once it has called `function` (dotted: module
+    and name), which waits there. cwd: not the repository root, whose evaluate/ would shadow Hugging Face's."""
+    proc = subprocess.Popen([sys.executable, "-c", STOPS_IN, function, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=cwd)
     line = proc.stdout.readline()
-    if line.strip() != "EVALUATING":
+    if line.strip() != "STOPPED":
         proc.kill()
-        raise AssertionError(f"the run ended before its evaluation: {proc.communicate()[1][-3000:]}")
+        raise AssertionError(f"the run ended before {function}: {proc.communicate()[1][-3000:]}")
     return proc
+
+
+def start_run_stopping_in_evaluation(args: list[str], cwd) -> subprocess.Popen:
+    """Start `lowbit ARGS`; returns once it has reached its evaluation (the checkpoint's perplexity,
+    first of its figures)."""
+    return start_run_stopping_in("lowbit.evaluate.evaluation.perplexity", args, cwd)
 
 
 # `lowbit run …` that reaches its results stage (the checkpoint exported and evaluated), announces

@@ -169,6 +169,31 @@ def test_two_ranks_learn_one_rounding(tiny, tmp_path):
     assert "rank 0 of 2 calibrates on samples 0-7" in two.stderr
 
 
+DISTILL = ("description: RTN, then scales and norms learned against the float model\n"
+           "calibration: {dataset: wiki, samples: 16, seq_len: 64}\n"
+           "scheme: {bits: 4, symmetric: true, strategy: group, group_size: 32}\n"
+           "steps:\n  - rtn\n  - distill: {batch: 2, epochs: 2, learning_rate: 0.01}\n")
+
+
+@pytest.mark.slow  # ~40 s: two runs, one of them two processes
+def test_two_ranks_distill_as_one(tiny, tmp_path):
+    """Each rank steps on its own samples with the gradients summed over both (the step checks that
+    the ranks hold the same scales and norms, and stops where not): perplexity as one rank's, whose
+    batches differ."""
+    (tmp_path / "distill.yaml").write_text(DISTILL)
+    recipe = str(tmp_path / "distill.yaml")
+    one, two = lowbit_run(recipe, tiny, tmp_path / "one", 1), lowbit_run(recipe, tiny, tmp_path / "two", 2)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    results = [json.loads((tmp_path / f / "results.json").read_text()) for f in ("one", "two")]
+    assert all(r["audit"]["passed"] for r in results)
+    assert [r["steps"][1]["steps"] for r in results] == [16, 8]  # each of two ranks' steps reads 2 samples
+    assert all(r["steps"][1]["kl_last_epoch"] < r["steps"][1]["kl_first_epoch"] for r in results)  # both learned
+    identical, ppl_diff = compare(tmp_path / "one", tmp_path / "two")
+    assert identical == 1.0 and ppl_diff < 0.02, (identical, ppl_diff)  # codes are rtn's: distill never moves one
+    assert "rank 0 of 2 calibrates on samples 0-7" in two.stderr
+
+
 @pytest.mark.slow  # ~20-30 s each: two processes start, one faults, the run stops
 @pytest.mark.parametrize("kind", ["raise", "kill", "hang"])
 def test_a_failing_rank_stops_every_rank_with_its_error(kind, tiny, tmp_path):

@@ -29,6 +29,9 @@ class StepContext:
     # streamed data-free steps: reads a linear (full name) whose weights the layer's load left on meta
     # (a routed expert, read only when it is rounded: app/streamed.py)
     read_deferred: Optional[Callable[[str], None]] = None
+    # resident runs: loads the float model again as the recipe names it (distill learns against it)
+    reference: Optional[Callable[[], nn.Module]] = None
+    stored_dtype: torch.dtype = torch.bfloat16  # the checkpoint's float tensors and scales (export.dtype)
     _batches: Optional[torch.Tensor] = None
 
     def resident(self, name: str, module: nn.Module) -> None:

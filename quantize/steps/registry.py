@@ -2,7 +2,7 @@
 SPEC) plus one entry here."""
 from __future__ import annotations
 
-from lowbit.quantize.steps import awq, fp8, gptq, int8_inputs, kv_cache, rotate, rtn, rtn_mse, signround, smoothquant
+from lowbit.quantize.steps import awq, distill, fp8, gptq, int8_inputs, kv_cache, rotate, rtn, rtn_mse, signround, smoothquant
 from lowbit.quantize.steps.spec import StepSpec
 
 STEPS: dict[str, StepSpec] = {spec.name: spec for spec in (
@@ -16,4 +16,5 @@ STEPS: dict[str, StepSpec] = {spec.name: spec for spec in (
     int8_inputs.SPEC,
     fp8.SPEC,
     kv_cache.SPEC,
+    distill.SPEC,
 )}

@@ -51,3 +51,5 @@ class StepSpec:
     observes: Callable[[Any], Optional[str]] = _nothing
     # it rewrites the float model every later step calibrates on (rotate): the recipe lists it first
     runs_first: bool = False
+    # it trains what a weight step wrote (distill): the recipe lists it after one
+    follows_weights: bool = False
