@@ -12,6 +12,7 @@ sees what every layer's error does to the logits, which the held-out texts show 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -60,14 +61,15 @@ def apply(ctx: StepContext, cfg: DistillConfig) -> dict:
     samples = ctx.batches
     steps = cfg.epochs * math.ceil(int(all_max(torch.tensor(len(samples)))) / cfg.batch)  # alike on every rank
     teacher_hidden, teacher_head = teacher_states(ctx, samples, cfg.batch, dtype)
-    scales, norms = LearnedScales(model, ctx.stored_dtype), LearnedNorms(model, ctx.stored_dtype)
-    print(f"[distill] {len(scales)} scale tensors and {len(norms)} norms, {steps} steps of {cfg.batch} samples "
-          f"({cfg.epochs} epoch(s)), forwards in {str(dtype).removeprefix('torch.')}", file=sys.stderr)
-    with scales.learning(), norms.learning(), denormals_flushed():
-        params = [{"params": scales.parameters(), "lr": cfg.learning_rate},
-                  {"params": norms.parameters(), "lr": cfg.norm_learning_rate}]
-        with trainable(model, params[1]["params"]):
-            losses = descend(model, params, samples, teacher_hidden, teacher_head, steps, cfg, dtype, device)
+    with whole_on(model, device):
+        scales, norms = LearnedScales(model, ctx.stored_dtype), LearnedNorms(model, ctx.stored_dtype)
+        print(f"[distill] {len(scales)} scale tensors and {len(norms)} norms, {steps} steps of {cfg.batch} samples "
+              f"({cfg.epochs} epoch(s)), forwards in {str(dtype).removeprefix('torch.')}", file=sys.stderr)
+        with scales.learning(), norms.learning(), denormals_flushed():
+            params = [{"params": scales.parameters(), "lr": cfg.learning_rate},
+                      {"params": norms.parameters(), "lr": cfg.norm_learning_rate}]
+            with trainable(model, params[1]["params"]):
+                losses = descend(model, params, samples, teacher_hidden, teacher_head, steps, cfg, dtype, device)
     return {"scales": len(scales), "fixed": scales.fixed, "norms": len(norms), "steps": steps,
             "forward_dtype": str(dtype).removeprefix("torch."),
             **losses}
@@ -171,6 +173,18 @@ def check_ranks_agree(params) -> None:
     if not torch.equal(all_max(learned.clone()), all_min(learned.clone())):
         raise RuntimeError("distill: the ranks learned different scales or norms; their gradients were not "
                            "summed alike (a bug in lowbit: please report it)")
+
+
+@contextlib.contextmanager
+def whole_on(model, device):
+    """The whole model on the calibration device for the step (a resident run keeps it where it was
+    loaded and walks one layer at a time to the device), and back where it was after."""
+    home = next(model.parameters()).device
+    model.to(device)
+    try:
+        yield
+    finally:
+        model.to(home)
 
 
 class trainable:
