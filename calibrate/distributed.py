@@ -159,6 +159,14 @@ def all_min(tensor: torch.Tensor) -> torch.Tensor:
     return _reduce("min", tensor, dist.ReduceOp.MIN)
 
 
+def ranks_agree(tensors) -> bool:
+    """Whether every rank holds the same values in `tensors` (always, in one process)."""
+    if world().size == 1:
+        return True
+    flat = torch.cat([t.detach().flatten() for t in tensors])
+    return torch.equal(all_max(flat.clone()), all_min(flat.clone()))
+
+
 def sum_numbers(*values: float) -> list[float]:
     """Python numbers summed across ranks (float64); in one process, the values as they are."""
     if world().size == 1:

@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from lowbit.calibrate.distributed import all_max, all_min, all_sum, sum_int, sum_numbers, world
+from lowbit.calibrate.distributed import all_max, all_sum, ranks_agree, sum_int, sum_numbers, world
 from lowbit.calibrate.final_hidden import final_hidden, post_processed_logits
 from lowbit.calibrate.hardware import denormals_flushed
 from lowbit.calibrate.progress import Progress
@@ -84,7 +84,7 @@ def teacher_states(ctx: StepContext, samples: torch.Tensor, batch: int, dtype) -
     with torch.no_grad():
         for i in range(0, len(samples), batch):
             ids = samples[i:i + batch].to(ctx.device)
-            with torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            with autocast(ctx.device, dtype):
                 kept.append(final_hidden(teacher, ids).to(dtype).cpu())
             progress.advance(len(ids))
     head = teacher.get_output_embeddings()
@@ -105,7 +105,7 @@ def descend(model, params, samples, teacher_hidden, teacher_head, steps: int, cf
     first, last = [], []
     for step, picked in enumerate(order):
         ids = samples[picked].to(device)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        with autocast(device, dtype):
             hidden = final_hidden(model, ids)
         tokens = sum_int(ids.numel())  # every rank's: the gradients summed below are of the mean over all
         optimizer.zero_grad(set_to_none=True)
@@ -145,7 +145,7 @@ def kl_backward(hidden: torch.Tensor, teacher_hidden: torch.Tensor, head, teache
     total = 0.0
     for start in range(0, len(hidden_grad_at), rows):
         part = slice(start, start + rows)
-        with torch.autocast(hidden.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        with autocast(hidden.device, dtype):
             with torch.no_grad():
                 wanted = F.log_softmax(teacher_head(teacher_hidden[part]).float(), dim=-1)
             mine = F.log_softmax(head(hidden_grad_at[part]).float(), dim=-1)
@@ -167,12 +167,14 @@ def summed_grads(params) -> None:
 
 def check_ranks_agree(params) -> None:
     """Every rank must hold the same learned values: the checkpoint is rank 0's alone."""
-    if world().size == 1:
-        return
-    learned = torch.cat([p.detach().flatten() for p in params])
-    if not torch.equal(all_max(learned.clone()), all_min(learned.clone())):
+    if not ranks_agree(params):
         raise RuntimeError("distill: the ranks learned different scales or norms; their gradients were not "
                            "summed alike (a bug in lowbit: please report it)")
+
+
+def autocast(device, dtype):
+    """The forwards' autocast: `dtype` on `device`, off for float32."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.calibrate.arch import linear_weight
-from lowbit.calibrate.distributed import all_max, all_min, all_sum, world
+from lowbit.calibrate.distributed import all_sum, ranks_agree, world
 from lowbit.calibrate.hardware import denormals_flushed
 from lowbit.calibrate.walker import first_output, forward_context, layer_forward, to_device, walk
 from lowbit.quantize.grids.integer import IntScheme
@@ -221,10 +221,7 @@ def batch_loss(layer, inputs, wanted: list[torch.Tensor], k: int, device) -> tup
 def check_ranks_agree(prefix: str, views: dict) -> None:
     """Every rank must have learned the same parameters (their steps follow the same summed
     gradients); a rank that did not would quantize the next layer's inputs differently."""
-    if world().size == 1:
-        return
-    learned = torch.cat([p.detach().flatten() for view in views.values() for p in view.parameters()])
-    if not torch.equal(all_max(learned.clone()), all_min(learned.clone())):
+    if not ranks_agree(p for view in views.values() for p in view.parameters()):
         raise RuntimeError(f"signround: the ranks learned different parameters for {prefix}; "
                            "their gradients were not summed alike (a bug in lowbit: please report it)")
 
