@@ -19,9 +19,12 @@ from faults import start_run_stopping_in
 from tiny_models import SMALL_RUN, make_tiny_model, run_on_tiny_llama, save_tiny_llama
 from lowbit.calibrate.arch import arch_for
 from lowbit.calibrate.final_hidden import post_processed_logits
+from lowbit.quantize.grids.gguf import GGUFScheme, quantize_gguf
+from lowbit.quantize.grids.gguf_plan import GGUFTypes
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.formats import LinearFormats
 from lowbit.quantize.runtime.fp8_linear import FP8Linear
+from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 from lowbit.quantize.runtime.qlinear import QuantLinear
 from lowbit.quantize.steps import distill, rtn
 from lowbit.quantize.steps.context import StepContext
@@ -83,11 +86,55 @@ def test_linears_on_other_grids_keep_their_scales_and_are_named():
     assert all(torch.equal(model.get_submodule(n).weight_scale, s) for n, s in fp8.items())
 
 
+def gguf_fields(model) -> dict:
+    return {name: m.gguf_weight() for name, m in model.named_modules() if isinstance(m, GGUFLinear)}
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "iq4_nl"])
+def test_on_ggml_blocks_distill_learns_the_float16_block_scales_and_keeps_every_level(kind):
+    reference, model, ctx = rounded_tiny(GGUFTypes(kind, pure=True))
+    seen = token_ids(batch=8, length=48)  # the context's calibration samples
+    before, rounded = kl(reference, model, seen), gguf_fields(model)
+    record = distill.apply(ctx, distill.DistillConfig(epochs=4, batch=2, learning_rate=0.005, norm_learning_rate=0.002,
+                                                      forward_dtype="float32"))
+    assert record["scales"] == 14 and record["fixed"] == []
+    assert kl(reference, model, seen) < 0.9 * before
+    for name, gw in gguf_fields(model).items():
+        was = rounded[name]
+        assert torch.equal(gw.levels, was.levels), name
+        assert not torch.equal(gw.d, was.d) and gw.d.dtype == torch.float16, name
+        assert torch.equal(gw.d.sign(), was.d.sign()), name  # a block's scale keeps its sign
+        assert (gw.dmin is None) == (was.dmin is None) and (gw.dmin is None or not torch.equal(gw.dmin, was.dmin))
+        module = model.get_submodule(name)
+        assert torch.equal(module(torch.eye(module.in_features)).T, gw.dequantize())  # decoded from the new bytes
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "iq4_xs", "q8_0"])
+def test_the_learned_view_of_every_block_type_starts_at_its_bytes_and_stores_what_it_learned(kind):
+    """At t = 0 the view computes the linear's own weight; after a step what it stores is what it
+    computed, and only d (and dmin) moved: levels and 6-bit sub-block scales stay."""
+    from lowbit.quantize.steps.distill_params import BlockScales
+
+    module = GGUFLinear.from_weight(quantize_gguf(torch.randn(8, 512), GGUFScheme(kind)), None)
+    view = BlockScales(module)
+    assert torch.equal(view.weight(), module.dequantized_weight())
+    with torch.no_grad():
+        for t in view.factors:
+            t.uniform_(-0.05, 0.05)
+    computed, was = view.weight().detach(), module.gguf_weight()
+    view.keep(view.learned())
+    now = module.gguf_weight()
+    assert torch.equal(module.dequantized_weight(), computed)
+    assert torch.equal(now.levels, was.levels) and not torch.equal(now.d, was.d)
+    assert all(torch.equal(getattr(now, f), getattr(was, f)) for f in ("sub_scale", "sub_min")
+               if getattr(was, f) is not None)
+
+
 def test_distill_with_nothing_quantized_says_what_it_needs():
     model = make_tiny_model("llama")
     ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: token_ids(batch=2, length=16),
                       reference=lambda: make_tiny_model("llama"))
-    with pytest.raises(ValueError, match="distill: no linear holds integer weight-only scales"):
+    with pytest.raises(ValueError, match="distill: no linear holds weight-only scales to learn"):
         distill.apply(ctx, distill.DistillConfig())
 
 

@@ -1,8 +1,10 @@
-"""What distill trains: each weight-only integer linear's scales (as a learned factor on the scales the
-weight step left) and every norm's weight; nothing else takes a gradient. Both are seen through the
-dtype the checkpoint stores them in (a straight-through round), so the file holds what was trained."""
+"""What distill trains: each weight-only integer linear's group scales and each GGML linear's block
+scales (as a learned factor on the scales the weight step left) and every norm's weight; nothing else
+takes a gradient. Each is seen through the dtype the checkpoint stores it in (a straight-through
+round: export.dtype, or a GGML block's float16), so the file holds what was trained."""
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 
 import torch
@@ -10,9 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lowbit.quantize.grids.gguf import GGUFWeight
+from lowbit.quantize.grids.gguf_packing import pack
 from lowbit.quantize.grids.integer import QuantizedWeight
 from lowbit.quantize.grids.integer_learned import straight_through
 from lowbit.quantize.runtime.buffers import RuntimeModule
+from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 from lowbit.quantize.runtime.qlinear import QuantLinear
 
 
@@ -21,57 +26,116 @@ def stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return straight_through(x.to(dtype).to(x.dtype), x)
 
 
+class IntegerScales:
+    """A weight-only QuantLinear's group scales as scale * exp(t), t learned from 0 (a scale stays
+    positive and every group moves by the same relative step), seen as the checkpoint stores them."""
+
+    def __init__(self, module: QuantLinear, dtype: torch.dtype):
+        self.module, self.dtype = module, dtype
+        self.factors = [nn.Parameter(torch.zeros_like(module.weight_scale))]
+
+    def scale(self) -> torch.Tensor:
+        return stored(self.module.weight_scale * self.factors[0].exp(), self.dtype)
+
+    def weight(self) -> torch.Tensor:
+        qw = self.module.quantized_weight()
+        return QuantizedWeight(qw.codes, self.scale(), qw.zero, qw.scheme, qw.g_idx).dequantize()
+
+    def learned(self):
+        return self.scale().detach()
+
+    def keep(self, learned) -> None:
+        self.module.weight_scale = learned
+
+
+class BlockScales:
+    """A GGUFLinear's block scales d (and Q4_1's, Q5_1's and the K-quants' mins dmin) as d * exp(t),
+    seen as the float16 the GGML block stores; the levels and the K-quants' 6-bit sub-block scales
+    stay as they are. A scale keeps its sign (Q4_0's d is negative where the block's extreme is)."""
+
+    def __init__(self, module: GGUFLinear):
+        self.module = module
+        self.gw = gguf_on(module.gguf_weight(), module.weight.device)
+        self.fields = ["d"] + ([] if self.gw.dmin is None else ["dmin"])
+        self.factors = [nn.Parameter(torch.zeros_like(getattr(self.gw, f), dtype=torch.float32)) for f in self.fields]
+
+    def block_fields(self) -> GGUFWeight:
+        learned = {f: stored(getattr(self.gw, f).float() * t.exp(), torch.float16)
+                   for f, t in zip(self.fields, self.factors)}
+        return dataclasses.replace(self.gw, **learned)
+
+    def weight(self) -> torch.Tensor:
+        return self.block_fields().dequantize()
+
+    def learned(self):
+        gw = self.block_fields()
+        return dataclasses.replace(gw, **{f: getattr(gw, f).detach().half() for f in self.fields})
+
+    def keep(self, learned) -> None:
+        self.module.weight.copy_(pack(learned).to(self.module.weight.device))
+        self.module._dense = None  # decode the new bytes on the next forward
+
+
+def gguf_on(gw: GGUFWeight, device) -> GGUFWeight:
+    return GGUFWeight(gw.scheme, *(None if t is None else t.to(device)
+                                   for t in (gw.levels, gw.d, gw.dmin, gw.sub_scale, gw.sub_min)))
+
+
+def scales_of(module: nn.Module, dtype: torch.dtype):
+    """The learned view of a linear's scales, or None where they stay (activations quantized too,
+    or a grid with no scales to learn here: FP8, MXFP4)."""
+    if isinstance(module, QuantLinear) and module.input_quant is None:
+        return IntegerScales(module, dtype)
+    if isinstance(module, GGUFLinear):
+        return BlockScales(module)
+    return None
+
+
 class LearnedScales:
-    """Each weight-only QuantLinear's scales as scale * exp(t), t learned from 0 (so a scale stays
-    positive and every group moves by the same relative step). Linears whose inputs are quantized too,
-    or on other grids, keep their scales: `fixed` names them."""
+    """Every weight-only integer linear's group scales and every GGML linear's block scales, learned
+    as a factor exp(t) on the scales the weight step left; the other runtime modules keep theirs and
+    `fixed` names them."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
-        self.dtype = dtype
-        self.linears: dict[str, QuantLinear] = {}
+        self.views: dict = {}
         self.fixed: list[str] = []
         for name, module in model.named_modules():
-            if isinstance(module, QuantLinear) and module.input_quant is None:
-                self.linears[name] = module
+            view = scales_of(module, dtype)
+            if view is not None:
+                self.views[name] = view
             elif isinstance(module, RuntimeModule):
                 self.fixed.append(name)
-        if not self.linears:
-            raise ValueError("distill: no linear holds integer weight-only scales to learn; list distill after "
-                             "the weight step (rtn, gptq, awq, signround) of an integer grid")
-        self.log_factors = {name: nn.Parameter(torch.zeros_like(m.weight_scale)) for name, m in self.linears.items()}
+        if not self.views:
+            raise ValueError("distill: no linear holds weight-only scales to learn (integer groups or GGML blocks); "
+                             "list distill after the weight step (rtn, gptq, awq, signround) of such a grid")
 
     def __len__(self) -> int:
-        return len(self.linears)
+        return len(self.views)
 
     def parameters(self) -> list[nn.Parameter]:
-        return list(self.log_factors.values())
-
-    def scale(self, name: str) -> torch.Tensor:
-        module = self.linears[name]
-        return stored(module.weight_scale * self.log_factors[name].exp(), self.dtype)
+        return [t for view in self.views.values() for t in view.factors]
 
     @contextmanager
     def learning(self):
-        """Within it each linear computes with its learned scales; on leaving normally they are its
-        own (float32, on the stored dtype's grid), and on an error its scales are left as they were."""
-        for name, module in self.linears.items():
-            module.forward = lambda x, name=name: self.linear(name, x)
+        """Within it each linear computes with its learned scales; on leaving normally it holds them
+        as its checkpoint stores them, and on an error its scales are left as they were."""
+        for view in self.views.values():
+            view.module.forward = lambda x, view=view: learned_linear(view, x)
         ok = False
         try:
             yield self
             ok = True
         finally:
-            learned = {name: self.scale(name).detach() for name in self.linears} if ok else {}
-            for name, module in self.linears.items():
-                del module.forward  # back to the class's forward
+            learned = {name: view.learned() for name, view in self.views.items()} if ok else {}
+            for name, view in self.views.items():
+                del view.module.forward  # back to the class's forward
                 if ok:
-                    module.weight_scale = learned[name]
+                    view.keep(learned[name])
 
-    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        module = self.linears[name]
-        qw = module.quantized_weight()
-        w = QuantizedWeight(qw.codes, self.scale(name), qw.zero, qw.scheme, qw.g_idx).dequantize()
-        return F.linear(x, w.to(x.dtype), None if module.bias is None else module.bias.to(x.dtype))
+
+def learned_linear(view, x: torch.Tensor) -> torch.Tensor:
+    bias = view.module.bias
+    return F.linear(x, view.weight().to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
 class Stored(nn.Module):
