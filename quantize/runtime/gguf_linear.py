@@ -46,6 +46,11 @@ class GGUFLinear(RuntimeModule):
         m = cls(cols, rows, gw.scheme, bias is not None, device="meta")
         return fill_buffers(m, weight=pack(gw), bias=bias)
 
+    def hold(self, gw: GGUFWeight) -> None:
+        """Take gw's block bytes in place of its own (same type and shape); decoded again on the next forward."""
+        self.weight.copy_(pack(gw).to(self.weight.device))
+        self._dense = None
+
     def gguf_weight(self) -> GGUFWeight:
         return unpack(self.weight.cpu(), self.scheme)
 

@@ -13,10 +13,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lowbit.quantize.grids.gguf import GGUFWeight
-from lowbit.quantize.grids.gguf_packing import pack
 from lowbit.quantize.grids.integer import QuantizedWeight
 from lowbit.quantize.grids.integer_learned import straight_through
-from lowbit.quantize.runtime.buffers import RuntimeModule
+from lowbit.quantize.runtime.buffers import RuntimeModule, on_device
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 from lowbit.quantize.runtime.qlinear import QuantLinear
 
@@ -55,7 +54,7 @@ class BlockScales:
 
     def __init__(self, module: GGUFLinear):
         self.module = module
-        self.gw = gguf_on(module.gguf_weight(), module.weight.device)
+        self.gw = on_device(module.gguf_weight(), module.weight.device)
         self.fields = ["d"] + ([] if self.gw.dmin is None else ["dmin"])
         self.factors = [nn.Parameter(torch.zeros_like(getattr(self.gw, f), dtype=torch.float32)) for f in self.fields]
 
@@ -72,13 +71,7 @@ class BlockScales:
         return dataclasses.replace(gw, **{f: getattr(gw, f).detach().half() for f in self.fields})
 
     def keep(self, learned) -> None:
-        self.module.weight.copy_(pack(learned).to(self.module.weight.device))
-        self.module._dense = None  # decode the new bytes on the next forward
-
-
-def gguf_on(gw: GGUFWeight, device) -> GGUFWeight:
-    return GGUFWeight(gw.scheme, *(None if t is None else t.to(device)
-                                   for t in (gw.levels, gw.d, gw.dmin, gw.sub_scale, gw.sub_min)))
+        self.module.hold(learned)
 
 
 def scales_of(module: nn.Module, dtype: torch.dtype):
