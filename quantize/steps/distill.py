@@ -5,10 +5,11 @@ After the weight steps have fixed every code, each integer group's scale and eac
 scale (through a factor exp(t), t from 0) and every norm's weight are trained with Adam for
 `epochs` passes over the calibration samples, so that the quantized model's next-token
 distributions match the float model's (KL divergence, mean over tokens). The learning rates fall
-to 0 on a cosine. The float model is loaded again once, its final hidden states kept for every calibration sample (samples x seq_len x hidden
-in the forward dtype) with its LM head, then freed. Codes never change, so the checkpoint, the
-exports and the audit are those of the steps before; a layer-wise step ends per layer, this one
-sees what every layer's error does to the logits, which the held-out texts show most.
+to 0 on a cosine. The float model is loaded again once, its final hidden states kept for every
+calibration sample (samples x seq_len x hidden in the forward dtype) with its LM head, then freed.
+Codes never change, so the checkpoint, the exports and the audit are those of the steps before; a
+layer-wise step ends per layer, this one sees what every layer's error does to the logits, which
+the held-out texts show most.
 """
 from __future__ import annotations
 
