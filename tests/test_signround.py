@@ -24,6 +24,7 @@ from lowbit.quantize.grids.integer import IntScheme, quantize_rtn
 from lowbit.quantize.grids.integer_learned import IntLearnedRounding
 from lowbit.quantize.grids.learned import learned_view
 from lowbit.quantize.grids.mxfp4 import E2M1, MXScheme, MXWeight
+from lowbit.quantize.runtime import cpu_kernels
 from lowbit.quantize.steps import rtn, signround
 from lowbit.quantize.steps.context import StepContext
 
@@ -126,6 +127,51 @@ def test_gradients_reach_offsets_and_clipping():
     view = IntLearnedRounding(torch.randn(8, 32), IntScheme(4, False, "group", 16))
     view.fake_weight().pow(2).sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in view.parameters())
+
+
+def moved_views(w: torch.Tensor, scheme: IntScheme, seed: int = 0) -> tuple[IntLearnedRounding, IntLearnedRounding]:
+    """Two views of w with the same offsets and clipping factors, far enough from rest that some
+    codes leave the grid and are clamped."""
+    views = IntLearnedRounding(w, scheme), IntLearnedRounding(w, scheme)
+    g = torch.Generator().manual_seed(seed)
+    values = [torch.rand(p.shape, generator=g) for p in views[0].parameters()]
+    with torch.no_grad():
+        for view in views:
+            view.offset.copy_(values[0] - 0.5)  # in [-0.5, 0.5)
+            for factor, value in zip([p for p in view.parameters() if p is not view.offset], values[1:]):
+                factor.copy_(0.5 + 0.5 * value)  # ranges clipped to 50-100%
+    return views
+
+
+@pytest.mark.parametrize("scheme", [IntScheme(4, True, "group", 64), IntScheme(4, False, "group", 32),
+                                    IntScheme(3, True, "channel"), IntScheme(8, False, "tensor")])
+def test_the_compiled_fake_weight_is_the_torch_one_bit_for_bit_with_the_same_gradients(scheme, kernel_variant):
+    g = torch.Generator().manual_seed(1)
+    reference, fused = moved_views(torch.randn(48, 192, generator=g), scheme)
+    fused.fuse(cpu_kernels.load(kernel_variant))
+    w_reference, w_fused = reference.fake_weight(), fused.fake_weight()
+    assert torch.equal(w_reference.view(torch.int32), w_fused.view(torch.int32))  # bits, the sign of 0.0 too
+    upstream = torch.randn(w_reference.shape, generator=g)
+    expected = torch.autograd.grad((w_reference * upstream).sum(), list(reference.parameters()))
+    got = torch.autograd.grad((w_fused * upstream).sum(), list(fused.parameters()))
+    assert torch.equal(got[0], expected[0])  # the offsets': one product per weight, as torch's
+    assert bool((got[0] == 0).any()) and bool((got[0] != 0).any())  # clamped codes pass no gradient, others do
+    # the clipping factors': sums over a group (the whole weight, per tensor) whose terms cancel, in
+    # another order than torch's float32 one
+    for d, e in zip(got[1:], expected[1:]):
+        torch.testing.assert_close(d, e, rtol=1e-4, atol=1e-5 * float(e.abs().max()))
+
+
+def test_signround_fuses_the_integer_views_where_the_cpu_has_kernels(cpu_variant):
+    views = {"int": IntLearnedRounding(torch.randn(8, 64), IntScheme(4, True, "group", 32)),
+             "gguf": learned_view(GGUFScheme("q4_0"), torch.randn(8, 64))}
+    signround.fuse_fake_weights(views)
+    expected = None if cpu_variant == "none" else cpu_kernels.load(cpu_variant)
+    assert views["int"].kernel is expected
+    assert not hasattr(views["gguf"], "kernel")  # no compiled view: its torch operations
+    on_gpu = {"int": IntLearnedRounding(torch.randn(8, 64), IntScheme(4, True, "group", 32))}
+    signround.fuse_fake_weights(on_gpu, "cuda")  # the kernels are a CPU's
+    assert on_gpu["int"].kernel is None
 
 
 def logits_error(model, reference, ids) -> float:

@@ -20,10 +20,30 @@ def round_through(x: torch.Tensor) -> torch.Tensor:
     return straight_through(torch.round(x), x)
 
 
+class FusedFakeWeight(torch.autograd.Function):
+    """fake_weight's round, clamp and rescale, and their gradients, as one pass each of a compiled
+    kernel (quantize/runtime/csrc/fake_quant.cpp): the same weight, the same gradient for the offsets,
+    the scales' gradient summed in another order."""
+
+    @staticmethod
+    def forward(ctx, groups, offset, scale, zero, scheme: IntScheme, kernel):
+        ctx.save_for_backward(groups, offset, scale, zero)
+        ctx.scheme, ctx.kernel = scheme, kernel
+        return kernel.fake_quant_int(groups, offset, scale, zero, scheme.qmin, scheme.qmax)
+
+    @staticmethod
+    def backward(ctx, grad):
+        groups, offset, scale, zero = ctx.saved_tensors
+        d_offset, d_scale = ctx.kernel.fake_quant_int_backward(grad.float().contiguous(), groups, offset, scale, zero,
+                                                               ctx.scheme.qmin, ctx.scheme.qmax)
+        return None, d_offset, d_scale, None, None, None
+
+
 class IntLearnedRounding(nn.Module):
     def __init__(self, w: torch.Tensor, scheme: IntScheme):
         super().__init__()
         self.scheme, self.shape = scheme, w.shape
+        self.kernel = None  # fuse(): the compiled module that computes fake_weight on a CPU
         g = grouped(w.detach().float(), scheme)
         self.register_buffer("groups", g)  # (rows, G, group): the float weight, never trained
         self.register_buffer("lo", g.amin(dim=-1))
@@ -43,9 +63,17 @@ class IntLearnedRounding(nn.Module):
             code = code + zero.unsqueeze(-1)
         return code.clamp(self.scheme.qmin, self.scheme.qmax)
 
+    def fuse(self, kernel) -> None:
+        """Compute fake_weight with `kernel`'s fake_quant_int (one of quantize/runtime/cpu_kernels'
+        modules) while the weight is float32 on the CPU; None: the torch operations."""
+        self.kernel = kernel
+
     def fake_weight(self) -> torch.Tensor:
         """The weight as the grid holds it now, (out, in) float32, differentiable in the parameters."""
         scale, zero = self._scale_zero()
+        if self.kernel is not None and self.groups.is_cpu:
+            return FusedFakeWeight.apply(self.groups, self.offset, scale.contiguous(), zero, self.scheme,
+                                         self.kernel).reshape(self.shape)
         code = self._codes(scale, zero)
         if zero is not None:
             code = code - zero.unsqueeze(-1)

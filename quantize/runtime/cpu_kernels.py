@@ -5,7 +5,8 @@ extension module compiled only for its instruction set:
   avx2    gemv_avx2.cpp: AVX2 + FMA + F16C, never an AVX-512 instruction (AMD Zen 2/3, older Intel)
 
 Both take the same layouts and export gemv_int4 / gemv_int8 / gemv_fp8 / quantize_fp8_inputs
-(fp8_inputs.cpp, compiled into each). Which one runs is `cpu_info().isa`
+(fp8_inputs.cpp, compiled into each), and fake_quant_int / fake_quant_int_backward (fake_quant.cpp:
+signround's integer weight and its gradients, in one pass each). Which one runs is `cpu_info().isa`
 (lowbit.calibrate.hardware; LOWBIT_CPU_ISA=avx512|avx2|none forces a lesser one). Builds are cached
 under $LOWBIT_CACHE/kernels; when a build fails, or the CPU has no variant (ARM, old x86, or
 forced none), `load()` returns None with the reason, and the caller falls back to the reference path.
@@ -32,9 +33,10 @@ BUILD_LOCK = ".lowbit-build.lock"  # held (fcntl) while one process builds a ker
 HEADERS = [CSRC / "gemv_common.h"]
 COMMON_FLAGS = ["-O3", "-fopenmp"]
 VARIANTS = {  # variant -> (sources, the only instruction-set flags its module is compiled with)
-    "avx512": ([CSRC / "gemv_avx512.cpp", CSRC / "gemv_bf16.cpp", CSRC / "fp8_inputs.cpp"],
+    "avx512": ([CSRC / "gemv_avx512.cpp", CSRC / "gemv_bf16.cpp", CSRC / "fp8_inputs.cpp",
+                CSRC / "fake_quant.cpp"],
                ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]),
-    "avx2": ([CSRC / "gemv_avx2.cpp", CSRC / "fp8_inputs.cpp"], ["-mavx2", "-mfma", "-mf16c"]),
+    "avx2": ([CSRC / "gemv_avx2.cpp", CSRC / "fp8_inputs.cpp", CSRC / "fake_quant.cpp"], ["-mavx2", "-mfma", "-mf16c"]),
 }
 
 

@@ -30,6 +30,7 @@ from lowbit.calibrate.walker import first_output, forward_context, layer_forward
 from lowbit.quantize.grids.integer import IntScheme
 from lowbit.quantize.grids.learned import VIEWS, learnable, learned_view
 from lowbit.quantize.grids.linear import LinearScheme, Plan
+from lowbit.quantize.runtime import cpu_kernels
 from lowbit.quantize.runtime.buffers import on_device
 from lowbit.quantize.runtime.modules import module_for
 from lowbit.quantize.steps.context import StepContext
@@ -134,6 +135,7 @@ def learn_layer(prefix: str, layer: nn.Module, names: list[str], grids: dict, in
         return {"layer": prefix, "seconds": 0.0, "linears": []}
     modules = {n: layer.get_submodule(n) for n in names}
     views = {n: learned_view(grids[f"{prefix}.{n}"], linear_weight(m).to(device)) for n, m in modules.items()}
+    fuse_fake_weights(views, device)
     with learning(layer, modules, views):
         losses = descend(layer, views, inputs, wanted, cfg, device)
     check_ranks_agree(prefix, views)
@@ -144,6 +146,16 @@ def learn_layer(prefix: str, layer: nn.Module, names: list[str], grids: dict, in
     print(f"[signround] {prefix}: loss {losses['first']:.3g} -> {losses['best']:.3g} (best of "
           f"{cfg.iterations} steps, {seconds:.1f} s)", file=sys.stderr)
     return {"layer": prefix, "seconds": round(seconds, 3), "linears": [f"{prefix}.{n}" for n in names], **losses}
+
+
+def fuse_fake_weights(views: dict, device=None) -> None:
+    """On a CPU, views that have a compiled fake_weight (the integer grid's) use it from this CPU's
+    kernel module: at a few samples per step, fake_weight's torch calls took most of each step."""
+    on_cpu = torch.device(device or "cpu").type == "cpu"
+    fusable = [view for view in views.values() if hasattr(view, "fuse") and on_cpu]
+    kernel = cpu_kernels.load() if fusable else None
+    for view in fusable:
+        view.fuse(kernel)
 
 
 class learning:
@@ -187,7 +199,7 @@ def descend(layer, views: dict, inputs, wanted: list[torch.Tensor], cfg: SignRou
         rate = cfg.first_rate * (1 - step / cfg.iterations)
         with torch.no_grad():
             for p, g in zip(params, grads):
-                p.sub_(rate * summed(g).sign())
+                p.add_(summed(g).sign(), alpha=-rate)  # p - rate * sign(g), bit for bit, in one pass fewer
         for view in views.values():
             view.keep_in_range()
     with torch.no_grad():

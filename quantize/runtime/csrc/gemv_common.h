@@ -1,6 +1,6 @@
 // Shared by both kernel variants, each its own extension module (quantize/cpu_kernels.py):
-//   avx512: gemv_avx512.cpp, gemv_bf16.cpp, fp8_inputs.cpp (-mavx512f/bw/vl/dq -mfma -mf16c)
-//   avx2:   gemv_avx2.cpp, fp8_inputs.cpp                  (-mavx2 -mfma -mf16c, no AVX-512)
+//   avx512: gemv_avx512.cpp, gemv_bf16.cpp, fp8_inputs.cpp, fake_quant.cpp (-mavx512f/bw/vl/dq -mfma -mf16c)
+//   avx2:   gemv_avx2.cpp, fp8_inputs.cpp, fake_quant.cpp                  (-mavx2 -mfma -mf16c, no AVX-512)
 // Limits, input checks, the FP8 decoder and the functions both modules export. Anything that
 // needs AVX-512 sits under __AVX512F__, so the avx2 module cannot reach it.
 #pragma once
@@ -98,11 +98,20 @@ torch::Tensor gemv_fp8(torch::Tensor x, torch::Tensor codes, torch::Tensor scale
                        bool bf16_batches);
 std::vector<torch::Tensor> quantize_fp8_inputs(torch::Tensor x, double static_scale, bool e4m3);
 
+// fake_quant.cpp: the integer grid's learned-rounding weight and its gradients (signround)
+torch::Tensor fake_quant_int(torch::Tensor g, torch::Tensor v, torch::Tensor s, c10::optional<torch::Tensor> z,
+                             double qmin, double qmax);
+std::vector<torch::Tensor> fake_quant_int_backward(torch::Tensor dw, torch::Tensor g, torch::Tensor v,
+                                                   torch::Tensor s, c10::optional<torch::Tensor> z,
+                                                   double qmin, double qmax);
+
 inline void def_common(pybind11::module& m) {
   m.def("gemv_int4", &gemv_int4, "y = x @ W^T with W packed int4 (per-group scale and offset)");
   m.def("gemv_int8", &gemv_int8, "y = x @ W^T with W int8 codes (per-group scale and offset)");
   m.def("gemv_fp8", &gemv_fp8, "y = x @ W^T, W float8 bytes (E4M3 or E5M2) with per-group scales");
   m.def("quantize_fp8_inputs", &quantize_fp8_inputs, "x / scale on the FP8 grid (as float32) and the scales");
+  m.def("fake_quant_int", &fake_quant_int, "the integer grid's learned-rounding weight, (c - z) * s");
+  m.def("fake_quant_int_backward", &fake_quant_int_backward, "its gradients for the offsets and the scales");
 }
 
 #ifdef __AVX512F__
