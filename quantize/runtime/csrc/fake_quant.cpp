@@ -1,7 +1,7 @@
 // The integer grid's learned-rounding weight (quantize/grids/integer_learned.py) forward and
 // backward, each one pass over the weight instead of the ~25 torch calls of its autograd graph:
-// at a few samples per SignRound step those calls, not the layer's matmuls, took most of the
-// step on a 2-core CPU. Per group of K weights g with offsets v, scale s and zero point z:
+// on smollm2 those calls took 23 ms of a 60 ms one-sample SignRound step on a 2-core CPU, these
+// passes 6 ms. Per group of K weights g with offsets v, scale s and zero point z:
 //   forward   c = clamp(round(g / s + v) + z, qmin, qmax),  w = (c - z) * s
 //   backward  the straight-through round: dv = dw * s where round(g / s + v) + z lies inside
 //             [qmin, qmax] (clamp passes the gradient there), else 0; and
