@@ -16,6 +16,9 @@ AVX2-capped runs alike, on every recipe with FP8 activations, KV-cache or Smooth
 calibration, or GPTQ, while the RTN, AWQ and W8A8-INT8 recipes agreed. Neither MKL's branch
 (MKL_CBWR), the thread count, oneDNN's ISA cap nor the FP8 cast (round to nearest even here)
 explained it on the machine at hand, so the pins say which CPU they were recorded on.
+
+Record at torch's default thread count, as CI runs: the distill recipes' bytes follow it (with
+OMP_NUM_THREADS=1, w4a16-signround-distill and gguf-q4_0-signround-distill wrote other bytes).
 """
 from __future__ import annotations
 
