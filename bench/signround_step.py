@@ -55,13 +55,13 @@ def time_layer(model, batches, layer_index: int, batch: int, steps: int, repeats
             return {"layer": prefix}
         wanted = layer_forward(layer, inputs, None, None)
         names = list(arch.linears)
-        runs = {"compiled": [], "torch": []}
-        for way in ("compiled", "torch"):  # warm-up
-            seconds_per_step(layer, names, inputs, wanted, 2, kernel if way == "compiled" else None)
+        ways = {"compiled": kernel, "torch": None}
+        runs = {way: [] for way in ways}
+        for fused in ways.values():  # warm-up
+            seconds_per_step(layer, names, inputs, wanted, 2, fused)
         for _ in range(repeats):
-            for way in ("compiled", "torch"):
-                runs[way].append(seconds_per_step(layer, names, inputs, wanted, steps,
-                                                  kernel if way == "compiled" else None))
+            for way, fused in ways.items():
+                runs[way].append(seconds_per_step(layer, names, inputs, wanted, steps, fused))
         found.update({way: statistics.median(times) for way, times in runs.items()})
         raise Stop
 

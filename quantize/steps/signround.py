@@ -151,8 +151,9 @@ def learn_layer(prefix: str, layer: nn.Module, names: list[str], grids: dict, in
 def fuse_fake_weights(views: dict, device=None) -> None:
     """On a CPU, views that have a compiled fake_weight (the integer grid's) use it from this CPU's
     kernel module: at one sample per step, fake_weight's torch calls took about 40% of each step."""
-    on_cpu = torch.device(device or "cpu").type == "cpu"
-    fusable = [view for view in views.values() if hasattr(view, "fuse") and on_cpu]
+    if torch.device(device or "cpu").type != "cpu":
+        return
+    fusable = [view for view in views.values() if hasattr(view, "fuse")]
     kernel = cpu_kernels.load() if fusable else None
     for view in fusable:
         view.fuse(kernel)
