@@ -116,6 +116,10 @@ def best_same_size(rival: dict, lowbit: list[dict]) -> dict | None:
     return min(near, key=lambda row: row["kld_mean"]) if near else None
 
 
+# rows added to a bench file after its run (another day, commit or machine) are told apart in its note
+LATER_ROWS = ", except rows added later, as the file's note says"
+
+
 def per_type_table(records: list[tuple[Path, dict]], model: str = "smollm2-135m") -> list[str]:
     """Per llama.cpp type: its imatrix file against the best file of a shipped lowbit recipe of the same
     size, both scored by llama-perplexity on the same chunks; a verdict line first."""
@@ -143,7 +147,8 @@ def per_type_table(records: list[tuple[Path, dict]], model: str = "smollm2-135m"
                f"on {protocol.get('chunks')} chunks of {protocol.get('ctx')} tokens of {protocol.get('eval')}, a text "
                f"neither side calibrated on; llama.cpp's imatrix from {protocol.get('samples')} x {protocol.get('ctx')} "
                f"tokens of {protocol.get('calibration')}, lowbit's recipes calibrated on the same. "
-               f"{recorded(record, 'date')}, commit {recorded(record, 'commit')}, {recorded(record, 'cpu')}; "
+               f"{recorded(record, 'date')}, commit {recorded(record, 'commit')}, {recorded(record, 'cpu')}"
+               f"{LATER_ROWS if record.get('note') else ''}; "
                f"[every file's scores and times](results/llama_cpp.md), [json](results/{path.name}).")
     return [verdict, ""] + table(["llama.cpp type", "imatrix file MB", "its KLD", "lowbit's best file of that size",
                                   "MB", "KLD", "lowbit / llama.cpp"], rows)

@@ -202,6 +202,9 @@ def test_the_gguf_page_compares_each_type_with_lowbits_best_file_of_that_size(tm
     assert "| Q4_0 | 91.89 | 0.2000 | `gguf-iq4_nl-gptq` | 92.06 | 0.1100 | 0.55x |" in text
     assert "| Q8_0 | 144.81 | 0.0040 | no lowbit file of this size scored | — | — | — |" in text
     assert "for 1 of 2 llama.cpp types (Q4_0)" in text and "[json](results/b.json)" in text
+    assert "rows added later" not in text  # said only where the file's note tells which
+    noted = "\n".join(results_blocks.per_type_table([(tmp_path / "b.json", dict(new, note="row x added later"))]))
+    assert "AMD EPYC, except rows added later, as the file's note says;" in noted
     assert "| Q4_0 |" in text and "llama.cpp q4_0 |" not in text  # only imatrix files are the rival
     worse = [dict(row, kld_mean=0.15) if row["file"].startswith("lowbit gguf-iq4") else row for row in files]
     text = "\n".join(results_blocks.per_type_table([(tmp_path / "b.json", dict(new, llama_cpp_files=worse))]))
