@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import signal
 
 import pytest
@@ -195,3 +196,30 @@ def test_each_epoch_draws_every_sample_once_in_a_fresh_order():
     order = [picked.tolist() for picked in distill.sample_order(8, 2, 12, seed=0)]  # 3 epochs of 4 steps
     epochs = [sum(order[i * 4:(i + 1) * 4], []) for i in range(3)]
     assert [sorted(e) for e in epochs] == [list(range(8))] * 3 and epochs[0] != epochs[1]
+
+
+def test_distill_on_some_of_the_samples_learns_on_those_and_runs_the_float_model_on_those_only():
+    reference = make_tiny_model("llama")
+    model = copy.deepcopy(reference)
+    seen_rows = []
+
+    def counted_reference():
+        teacher = copy.deepcopy(reference)
+        teacher.model.embed_tokens.register_forward_hook(lambda m, args, out: seen_rows.append(args[0].clone()))
+        return teacher
+
+    samples = token_ids(batch=8, length=16)
+    ctx = StepContext(model, arch_for(model), ("lm_head",), lambda: samples, reference=counted_reference)
+    rtn.apply(ctx, rtn.RTNConfig(scheme=IntScheme(4, True, "group", 32)))
+    record = distill.apply(ctx, distill.DistillConfig(samples=3, batch=2, epochs=2, forward_dtype="float32"))
+    assert record["steps"] == 4  # 2 epochs of ceil(3 / 2)
+    taught = torch.cat(seen_rows)
+    assert len(taught) == 3 and torch.equal(distill.drawn(samples, 3, seed=0), taught)  # by the seed, in order
+    assert not torch.equal(taught, samples[:3])  # drawn at random, not the first ones
+    assert torch.equal(distill.drawn(samples, 0, seed=0), samples) and torch.equal(distill.drawn(samples, 9, 0), samples)
+
+
+def test_a_negative_sample_count_is_refused_naming_the_key():
+    says = "mine.yaml: steps[1].distill: distill: samples must be 0 (all) or a positive count, got -1"
+    with pytest.raises(RecipeError, match=re.escape(says)):
+        parse_recipe({"steps": [{"rtn": {}}, {"distill": {"samples": -1}}]}, "mine.yaml")

@@ -5,8 +5,9 @@ After the weight steps have fixed every code, each integer group's scale and eac
 scale (through a factor exp(t), t from 0) and every norm's weight are trained with Adam for
 `epochs` passes over the calibration samples, so that the quantized model's next-token
 distributions match the float model's (KL divergence, mean over tokens). The learning rates fall
-to 0 on a cosine. The float model is loaded again once, its final hidden states kept for every
-calibration sample (samples x seq_len x hidden in the forward dtype) with its LM head, then freed.
+to 0 on a cosine (`samples` learns on that many of them, drawn at random). The float model is loaded
+again once, its final hidden states kept for every sample learned on (samples x seq_len x hidden in the
+forward dtype) with its LM head, then freed.
 Codes never change, so the checkpoint, the exports and the audit are those of the steps before; a
 layer-wise step ends per layer, this one sees what every layer's error does to the logits, which
 the held-out texts show most.
@@ -37,6 +38,7 @@ LOGITS_CHUNK_BYTES = 32 * 2**20  # float32 logits of one chunk of tokens in the 
 @dataclass(frozen=True)
 class DistillConfig:
     epochs: int = 1  # passes over the calibration samples
+    samples: int = 0  # how many of them to learn on, drawn at random by `seed` (0: all); the float model runs on those
     batch: int = 2  # calibration samples per step
     learning_rate: float = 2e-3  # Adam's first step on each scale's log factor (a relative change)
     norm_learning_rate: float = 1.2e-3  # Adam's first step on the norms' weights
@@ -46,6 +48,8 @@ class DistillConfig:
     def __post_init__(self):
         if self.epochs < 1 or self.batch < 1:
             raise ValueError(f"distill: epochs and batch must be positive, got {self.epochs}, {self.batch}")
+        if self.samples < 0:
+            raise ValueError(f"distill: samples must be 0 (all) or a positive count, got {self.samples}")
         for name in ("learning_rate", "norm_learning_rate"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"distill: {name} must be in [0, 1], got {getattr(self, name)}")
@@ -59,7 +63,7 @@ def apply(ctx: StepContext, cfg: DistillConfig) -> dict:
     if ctx.reference is None:
         raise ValueError("distill: this run has no float model to learn from (it needs the model resident)")
     dtype = resolve_forward_dtype(cfg.forward_dtype, device)
-    samples = ctx.batches
+    samples = drawn(ctx.batches, cfg.samples, cfg.seed)
     steps = cfg.epochs * math.ceil(int(all_max(torch.tensor(len(samples)))) / cfg.batch)  # alike on every rank
     teacher_hidden, teacher_head = teacher_states(ctx, samples, cfg.batch, dtype)
     with whole_on(model, device):
@@ -123,6 +127,15 @@ def descend(model, params, samples, teacher_hidden, teacher_head, steps: int, cf
         progress.step(f"KL {value:.4f}")
     check_ranks_agree(trained)
     return {"kl_first_epoch": round(sum(first) / len(first), 5), "kl_last_epoch": round(sum(last) / len(last), 5)}
+
+
+def drawn(samples: torch.Tensor, wanted: int, seed: int) -> torch.Tensor:
+    """`wanted` of the samples (each rank its share), drawn at random, kept in their order; all for 0."""
+    share = math.ceil(wanted / world().size)
+    if not wanted or share >= len(samples):
+        return samples
+    picked = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed))[:share]
+    return samples[picked.sort().values]
 
 
 def sample_order(samples: int, batch: int, steps: int, seed: int) -> list[torch.Tensor]:
