@@ -2,10 +2,11 @@
 
     python bench/recipe_times.py w4a16-gptq w4a16-gptq-distill [--model smollm2-135m] [--json]
 
-Each recipe runs once through `lowbit run`, one after another, with the evaluation cut to a 512-token
-perplexity (no baseline, KL or memory measurement): what is timed is the run's own `timing.quantize_s`
-(calibration walks and learning, not loading, export or evaluation). A recipe of minutes is not
-repeated: run the bench on an otherwise idle machine, as the ratios compare runs made back to back.
+Each recipe runs once through `lowbit run`, one after another, with the evaluation cut as
+bench/streamed_run.py cuts it (no baseline, KL or memory measurement): what is timed is the run's
+own `timing.quantize_s` (calibration walks and learning, not loading, export or evaluation). A
+recipe of minutes is not repeated: run the bench on an otherwise idle machine, as the ratios compare
+runs made back to back.
 """
 from __future__ import annotations
 
@@ -18,13 +19,11 @@ from pathlib import Path
 
 from lowbit.app.cli import main as lowbit
 from lowbit.calibrate.hardware import cpu_info
-
-CHEAP_EVALUATION = ("evaluate.baseline=false", "evaluate.memory.measure_peak=false",
-                    "evaluate.perplexity.max_tokens=512", "evaluate.kl.enabled=false")
+from streamed_run import QUICK
 
 
 def quantize_seconds(recipe: str, model: str, folder: Path, extra: list[str]) -> float:
-    sets = [f"--set={s}" for s in (*CHEAP_EVALUATION, *extra)]
+    sets = [f"--set={s}" for s in (*QUICK, *extra)]
     with contextlib.redirect_stdout(sys.stderr):  # the run's summary: stdout is this bench's JSON
         code = lowbit(["run", recipe, "--model", model, "--output", str(folder), *sets])
     if code != 0:
@@ -55,4 +54,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    main()
