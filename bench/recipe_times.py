@@ -19,6 +19,7 @@ from pathlib import Path
 
 from lowbit.app.cli import main as lowbit
 from lowbit.calibrate.hardware import cpu_info
+from lowbit.calibrate.provenance import provenance
 from streamed_run import QUICK
 
 
@@ -43,7 +44,9 @@ def main(argv=None) -> dict:
         for i, recipe in enumerate(args.recipes):
             seconds[recipe] = quantize_seconds(recipe, args.model, Path(tmp) / f"run{i}", args.extra)
     unit = seconds[args.recipes[0]]
-    out = {"model": args.model, "cpu": cpu_info().describe(), "unit": args.recipes[0],
+    command = " ".join(["python bench/recipe_times.py", *(sys.argv[1:] if argv is None else argv)])
+    out = {"command": command, **provenance(), "kernels": cpu_info().describe(), "model": args.model,
+           "unit": args.recipes[0],
            "recipes": [{"recipe": r, "quantize_s": s, "times_unit": round(s / unit, 2)} for r, s in seconds.items()]}
     if args.json:
         print(json.dumps(out, indent=1))

@@ -22,6 +22,8 @@ from typing import Callable
 
 from results_blocks import generated_blocks
 from results_markdown import MIB, NOT_RECORDED, RESULTS, number, provenance_lines, shown, table
+from results_timing_kinds import (is_recipe_times, is_rounding_reach, recipe_times_section,
+                                  rounding_reach_section)
 
 GPU_CHECK_SECTIONS = ("environment", "kernels", "decode", "cuda_tests", "calibration")
 
@@ -263,6 +265,8 @@ KINDS: dict[str, tuple[Callable[[dict], bool], Callable[[dict], list[str]]]] = {
     "ranks_threads": (is_ranks_threads, ranks_threads_section),
     "run": (is_run, run_section),
     "llama_cpp": (is_llama_cpp, llama_cpp_section),
+    "recipe_times": (is_recipe_times, recipe_times_section),
+    "rounding_reach": (is_rounding_reach, rounding_reach_section),
 }
 
 

@@ -19,6 +19,8 @@ import results_tables  # noqa: E402
 
 SCALE_JSON = "scale-moe-2026-12-05.json"
 GPU_JSON = "gpu_check-h200-2026-12-04.json"
+TIMES_JSON = "recipe_times-smollm2-2026-12-07.json"
+REACH_JSON = "rounding_reach-w4-smollm2-2026-12-07.json"
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
@@ -55,8 +57,18 @@ def set_decode_step(record):
     record["decode"]["rows"][0]["step_ms"] = 7.65432
 
 
+def set_times_unit(record):
+    record["recipes"][1]["times_unit"] = 9.87
+
+
+def set_gptq_share(record):
+    record["layers"][0]["gptq_over_rtn"] = 0.98765
+
+
 @pytest.mark.parametrize("name, change, expected", [(SCALE_JSON, set_scale_rss, "| 9.88 |"),
-                                                     (GPU_JSON, set_decode_step, "| bf16 | F.linear | 7.65, ")])
+                                                     (GPU_JSON, set_decode_step, "| bf16 | F.linear | 7.65, "),
+                                                     (TIMES_JSON, set_times_unit, "| 9.87 |"),
+                                                     (REACH_JSON, set_gptq_share, "| 0.988 |")])
 def test_a_changed_figure_changes_the_table(tmp_path, name, change, expected):
     before = results_tables.render_all([copy_of(name, tmp_path)], tmp_path)
     after = results_tables.render_all([copy_of(name, tmp_path, change)], tmp_path)
