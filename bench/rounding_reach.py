@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 import torch
@@ -28,7 +27,7 @@ from lowbit.calibrate.data import CalibrationConfig, calibration_batches
 from lowbit.calibrate.models import load_model
 from lowbit.calibrate.provenance import provenance
 from lowbit.calibrate.walker import walk
-from lowbit.quantize.grids.integer import IntScheme
+from lowbit.quantize.grids.integer import IntScheme, grouped
 from lowbit.quantize.grids.integer_learned import IntLearnedRounding
 from lowbit.quantize.steps.gptq import GPTQConfig
 from lowbit.quantize.steps.gptq_solver import solve_onto
@@ -45,41 +44,40 @@ def output_error(Wq: torch.Tensor, W: torch.Tensor, H: torch.Tensor) -> float:
     return float((E @ H * E).sum()) / 2
 
 
-def signround_on_hessian(W: torch.Tensor, H: torch.Tensor, grid: IntScheme, steps: int) -> float:
-    """The lowest error of `steps` signed-gradient steps from round-to-nearest (first step 1/steps,
-    falling linearly to 0, as signround's)."""
+def signround_on_hessian(W: torch.Tensor, H: torch.Tensor, grid: IntScheme, steps: int) -> tuple[float, float]:
+    """The error at the start (round-to-nearest) and the lowest of `steps` signed-gradient steps
+    (first step 1/steps, falling linearly to 0, as signround's)."""
     view = IntLearnedRounding(W, grid)
-    params, best = list(view.parameters()), math.inf
+    params, errors = list(view.parameters()), []
     for step in range(steps):
         with torch.enable_grad():
             fake = view.fake_weight()
             pushed = (fake.detach() - W) @ H  # d error / d fake
             grads = torch.autograd.grad(fake, params, grad_outputs=pushed)
-        best = min(best, output_error(fake.detach(), W, H))
+        errors.append(output_error(fake.detach(), W, H))
         with torch.no_grad():
             for p, g in zip(params, grads):
                 p.add_(g.sign(), alpha=-(1 - step / steps) / steps)
         view.keep_in_range()
-    return best
+    return errors[0], min(errors)
 
 
 def within_reach(result, W: torch.Tensor) -> float:
     """Share of GPTQ's codes within half a step of the float weight on GPTQ's own scales (past the
-    grid's ends: of its end, where every offset rounds and clamps to)."""
+    grid's ends: of its end, where every offset rounds and clamps to). Static act-order keeps the
+    groups in place (no g_idx), so the codes group as the weight does."""
     q = result.weight
-    per_column = (lambda t: t[:, q.g_idx]) if q.g_idx is not None else (
-        lambda t: t.repeat_interleave(q.scheme.group_size, dim=1))
-    zero = 0 if q.zero is None else per_column(q.zero.float())
-    nearest = (W / per_column(q.scale) + zero).clamp(q.scheme.qmin, q.scheme.qmax)
-    return float(((q.codes.float() - nearest).abs() <= 0.5).float().mean())
+    zero = 0 if q.zero is None else q.zero.float().unsqueeze(-1)
+    nearest = (grouped(W, q.scheme) / q.scale.unsqueeze(-1) + zero).clamp(q.scheme.qmin, q.scheme.qmax)
+    return float(((grouped(q.codes.float(), q.scheme) - nearest).abs() <= 0.5).float().mean())
 
 
 def linear_row(W: torch.Tensor, H: torch.Tensor, grid: IntScheme, steps: int) -> dict:
     gptq_cfg = GPTQConfig(grid, actorder="static", dampening_frac=0.1, scale_search="mse")
-    rtn = output_error(IntLearnedRounding(W, grid).fake_weight().detach(), W, H)
     result = solve_onto(grid, W.clone(), H.clone(), gptq_cfg)
+    rtn, signround = signround_on_hessian(W, H, grid, steps)
     return {"rtn": rtn, "gptq": output_error(result.weight.dequantize().float(), W, H),
-            "signround": signround_on_hessian(W, H, grid, steps), "within_reach": within_reach(result, W),
+            "signround": signround, "within_reach": within_reach(result, W),
             "weights": W.numel()}
 
 
