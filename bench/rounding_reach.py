@@ -31,7 +31,7 @@ from lowbit.quantize.grids.integer import IntScheme, grouped
 from lowbit.quantize.grids.integer_learned import IntLearnedRounding
 from lowbit.quantize.steps.gptq import GPTQConfig
 from lowbit.quantize.steps.gptq_solver import solve_onto
-from lowbit.quantize.steps.layerwise import _collect_hessians
+from lowbit.quantize.steps.layerwise import collect_hessians
 
 
 class Done(Exception):
@@ -87,7 +87,7 @@ def measure(model, batches, layers: list[int], grid: IntScheme, steps: int) -> l
     def on_layer(i, prefix, layer, inputs):
         if i in layers:
             names = list(arch.linears)
-            hessians, sharing = _collect_hessians(layer, names, inputs, None)
+            hessians, sharing = collect_hessians(layer, names, inputs, None)
             per_linear = {}
             for lead, members in sharing.items():
                 H = hessians[lead].take()

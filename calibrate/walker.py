@@ -176,13 +176,15 @@ def layer_forward(layer: nn.Module, inputs: LayerInputs, device=None, into=None)
 
 @torch.no_grad()
 def record_linear_inputs(layer: nn.Module, names: list[str], inputs: LayerInputs, device,
-                         fn: Callable[[str, torch.Tensor], None]) -> None:
+                         fn: Callable[[str, torch.Tensor], None], outputs: Optional[list] = None) -> None:
     """Run the layer, calling fn(name, x2d) with each named linear's input (tokens, in_features).
 
     Padded tokens are left out. Linears that receive the same tensor in one forward (q/k/v,
     gate/up) are handed the same x2d object, so a caller can accumulate statistics once. The
     forward stops as soon as every named linear has been seen. A routed expert may see no token
     (calibrate/experts.py: its linears get unpadded tokens already, and fn is never called for it).
+    Given `outputs` (a list, or an offload container), the forward runs to the end and the layer's
+    output per micro-batch is appended to it, as layer_forward's: one forward serves both.
     """
     modules = {n: layer.get_submodule(n) for n in names}
     routed = {n for n, m in modules.items() if getattr(m, "inputs_masked", False)}
@@ -203,14 +205,16 @@ def record_linear_inputs(layer: nn.Module, names: list[str], inputs: LayerInputs
                     flat.put(x, x2d)
                 fn(name, x2d)
                 seen.add(name)
-                if seen >= wanted:
+                if seen >= wanted and outputs is None:
                     raise _StopForward
             return hook
 
         handles = [modules[n].register_forward_pre_hook(make_hook(n)) for n in names]
         try:
             with forward_context(inputs, device), recording(mask):
-                layer(to_device(hidden, device), **to_device(kwargs, device))
+                out = layer(to_device(hidden, device), **to_device(kwargs, device))
+            if outputs is not None:
+                outputs.append(first_output(out).to(hidden.device, hidden.dtype))
         except _StopForward:
             pass
         finally:

@@ -168,7 +168,8 @@ def stored_bytes(file, inside: str) -> int:
 # transformers 5.25 cannot load asymmetric (zero-point) MoE checkpoints: its per-expert merge hands
 # CompressedTensorsDequantize the weights without their zero points ("Asymmetric quant requires
 # zero-point values"), so the AWQ recipe (asymmetric) is checked by lowbit's own reader only
-RELOADED = {"w4a16-rtn": True, "w4a16-gptq": True, "fp8-dynamic": True, "w4a16-awq": False, "w4a16-signround": True}
+RELOADED = {"w4a16-rtn": True, "w4a16-gptq": True, "fp8-dynamic": True, "w4a16-awq": False, "w4a16-signround": True,
+            "w4a16-gptq-signround": True}
 
 
 # the two readers' logits agree within 2e-3 of the largest at every position but one, where the router's
@@ -614,7 +615,7 @@ def test_experts_reading_one_input_share_one_hessian(mode):
     from lowbit.calibrate.experts import ExpertCalibration, calibrating
     from lowbit.calibrate.models import resolve_model_path
     from lowbit.calibrate.walker import capture_first_layer_inputs
-    from lowbit.quantize.steps.layerwise import _collect_hessians
+    from lowbit.quantize.steps.layerwise import collect_hessians
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
@@ -627,7 +628,7 @@ def test_experts_reading_one_input_share_one_hessian(mode):
     layer = decoder_layers(model, arch)[0]
     names = [n for n in arch.linears if ".experts." in n]  # one group, as with true_sequential false
     with torch.no_grad(), calibrating(ExpertCalibration(mode=mode)):
-        hessians, sharing = _collect_hessians(layer, names, inputs, None)
+        hessians, sharing = collect_hessians(layer, names, inputs, None)
     gate_up = [f"mlp.experts.{e}.{p}" for e in range(EXPERTS) for p in ("gate_proj", "up_proj")]
     downs = [[f"mlp.experts.{e}.down_proj"] for e in range(EXPERTS)]
     if mode == "all_experts":
@@ -635,7 +636,7 @@ def test_experts_reading_one_input_share_one_hessian(mode):
         shared = hessians[gate_up[0]]
         assert shared.tokens == ids.numel()  # every micro-batch's tokens, each once
         with torch.no_grad(), calibrating(ExpertCalibration(mode=mode)):
-            alone, _ = _collect_hessians(layer, ["mlp.experts.3.up_proj"], inputs, None)
+            alone, _ = collect_hessians(layer, ["mlp.experts.3.up_proj"], inputs, None)
         torch.testing.assert_close(shared.matrix(), alone["mlp.experts.3.up_proj"].matrix(), rtol=0, atol=0)
     else:
         assert sorted(sharing.values()) == sorted([gate_up[2 * e: 2 * e + 2] for e in range(EXPERTS)] + downs)

@@ -254,7 +254,9 @@ def test_float_grids_learn_closer_to_the_float_model_than_round_to_nearest(schem
 @pytest.mark.parametrize("bad, why", [({"iterations": 0}, "iterations and batch must be positive"),
                                       ({"learning_rate": 2}, r"learning_rate must be in \(0, 1\]"),
                                       ({"target": "block"},
-                                       r"signround.target: 'block' is not valid; choose one of \['layer', 'model'\]")])
+                                       r"signround.target: 'block' is not valid; choose one of \['layer', 'model'\]"),
+                                      ({"start": "rtn"},
+                                       r"signround.start: 'rtn' is not valid; choose one of \['nearest', 'gptq'\]")])
 def test_bad_settings_are_refused_naming_the_key(bad, why):
     from lowbit.recipes.schema import parse_recipe
     from lowbit.recipes.validate import RecipeError
@@ -294,7 +296,8 @@ def test_target_model_learns_toward_the_float_models_states_and_is_written_only_
 def signround_defaults() -> dict:
     from lowbit.recipes.validate import to_plain
     plain = to_plain(signround.SignRoundConfig(IntScheme(3, True, "channel")))
-    del plain["target"]
+    for key in signround.SignRoundConfig.WRITTEN_WHEN_SET:  # written only where set
+        del plain[key]
     return plain
 
 

@@ -1,7 +1,9 @@
 """The integer grid's learned-rounding view (SignRound, Cheng et al. 2023): per weight an offset
 v in [-0.5, 0.5] added before rounding, and per group a factor in [0, 1] on each end of its range
 (its clipping), trained through a straight-through round so that a block's quantized output
-matches its float output. At v = 0 and factors 1 it is round-to-nearest on min/max scales."""
+matches its float output. At v = 0 and factors 1 it is round-to-nearest on min/max scales.
+Started from GPTQ (from_gptq), v moves around the weights GPTQ rounded and one factor per group
+scales GPTQ's scale (its zero point stays): at v = 0 and factor 1 it is GPTQ's result."""
 from __future__ import annotations
 
 import torch
@@ -52,8 +54,22 @@ class IntLearnedRounding(nn.Module):
         self.max_factor = nn.Parameter(torch.ones_like(self.hi))
         # a symmetric grid's range is one absmax: one factor scales both ends
         self.min_factor = None if scheme.symmetric else nn.Parameter(torch.ones_like(self.lo))
+        self.start = None  # from_gptq: the (scale, zero) the factor multiplies (zero as it is)
+
+    @classmethod
+    def from_gptq(cls, pre_round: torch.Tensor, scale: torch.Tensor, zero, scheme: IntScheme) -> "IntLearnedRounding":
+        """The view around GPTQ's solve: `pre_round` (out, in), the weights its sweep rounded (each with
+        the errors pushed onto it), on GPTQ's scales and zero points (rows, G)."""
+        view = cls(pre_round, scheme)
+        view.min_factor = None
+        view.register_buffer("start_scale", scale.detach().float().clone())
+        view.register_buffer("start_zero", None if zero is None else zero.detach().float().clone())
+        view.start = True
+        return view
 
     def _scale_zero(self):
+        if self.start is not None:
+            return self.start_scale * self.max_factor, self.start_zero
         low = self.min_factor if self.min_factor is not None else self.max_factor
         return scale_zero_from_range(self.lo * low, self.hi * self.max_factor, self.scheme)
 

@@ -30,6 +30,9 @@ class GPTQResult:
     row_loss: torch.Tensor  # (out,) Σ_j (w - q)² / [H⁻¹]_jj / 2: mean squared output error per token
     dampening_frac: float  # the damping that worked
     retries: int  # Cholesky failures before it worked
+    # (out, in) the weights as the sweep rounded them, each column with the errors pushed onto it
+    # (gptq_solve's pre_round=True): signround's start: gptq learns its offsets from these
+    pre_round: Optional[torch.Tensor] = None
 
 
 class HessianAccumulator:
@@ -164,20 +167,25 @@ def _permuted_copy(H: torch.Tensor, perm: Optional[torch.Tensor], out: torch.Ten
 
 
 def gptq_solve(W: torch.Tensor | Callable[[], torch.Tensor], H: torch.Tensor | HessianAccumulator,
-               cfg: GPTQConfig) -> GPTQResult:
+               cfg: GPTQConfig, pre_round: bool = False) -> GPTQResult:
     """GPTQ of W (out, in) against the input Hessian H (in, in). Given the accumulator instead, the
     solve takes its matrix and frees it once the inverse-Hessian factor is built, so the sweep holds
     one (in, in) matrix instead of two. Given a function for W, the solve calls it once the factor
-    is built: the weight's float copy is not made beside the factorisation's two matrices."""
-    return _single_threaded(_gptq_solve, W, H, cfg)
+    is built: the weight's float copy is not made beside the factorisation's two matrices. With
+    pre_round, the result also holds the weights as the sweep rounded them (scales fixed before the
+    sweep only: act-order static or none, or per channel)."""
+    return _single_threaded(_gptq_solve, W, H, cfg, pre_round)
 
 
-def _gptq_solve(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult:
+def _gptq_solve(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig, pre_round: bool = False) -> GPTQResult:
     scheme = cfg.scheme
     W, diagonal, perm, U, frac, retries = _prepare(W, H, cfg)
     rows, cols = W.shape
     lazy_groups = scheme.strategy == "group" and cfg.actorder != "static"
     importance = diagonal if cfg.scale_search == "mse" else None  # (cols,) processing order
+    if lazy_groups and pre_round:
+        raise ValueError("GPTQ's rounded-from weights are kept only where the scales are fixed before the sweep: "
+                         f"actorder static or none, not {cfg.actorder!r}")
     if lazy_groups:
         grid = LazyColumnGrid(rows, cols, scheme, W.device, importance)
     else:
@@ -189,14 +197,17 @@ def _gptq_solve(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult
     del W  # the sweep updates its transposed copy: one weight-sized matrix fewer while it runs
     # the sweep keeps int8 codes, not float values: a quarter of a weight's float bytes
     codes, row_loss = _solve_blocks(Wt, U, grid, block, codes=True)
-    del U, Wt  # an (in, in) matrix and the updated weights
+    del U  # an (in, in) matrix
+    # the sweep never updates a column once it is rounded: Wt ends as the weights each was rounded from
+    kept = None if not pre_round else (Wt.t().contiguous() if perm is None else Wt.t()[:, torch.argsort(perm)])
+    del Wt
     codes = codes.contiguous() if perm is None else codes[:, torch.argsort(perm)]
     g_idx = None
     if lazy_groups and perm is not None:
         g_idx = (torch.arange(cols, device=device) // scheme.group_size)[torch.argsort(perm)]
     scale, zero = grid.result()
     qw = QuantizedWeight(codes, scale, zero, scheme, g_idx)
-    return GPTQResult(qw, row_loss, frac, retries)
+    return GPTQResult(qw, row_loss, frac, retries, kept)
 
 
 def gptq_solve_fp8(W: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig, strategy: WeightStrategy = "channel",

@@ -80,7 +80,7 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
                 let_go(prefix, layer, name, module)  # before down_proj's solve (0.6 GiB at Llama-3-8B widths)
 
         for group in filter(None, groups):
-            hessians, sharing = _collect_hessians(layer, group, inputs, ctx.device)
+            hessians, sharing = collect_hessians(layer, group, inputs, ctx.device)
             routed.update(take_routed_tokens(layer, prefix))
             fallbacks.update(expert_hessians.stand_in_starved(prefix, layer, hessians, sharing, seen))
             hessians, sharing = expert_hessians.one_expert_per_solve(hessians, sharing)
@@ -156,8 +156,9 @@ def damping_retries(layers) -> list[dict]:
             for layer in layers for n, s in layer["linears"].items() if s["retries"]]
 
 
-def _collect_hessians(layer: nn.Module, names: list[str], inputs, device):
-    """Hessians of the named linears' inputs, one per distinct input; and lead -> names sharing it."""
+def collect_hessians(layer: nn.Module, names: list[str], inputs, device, outputs=None):
+    """Hessians of the named linears' inputs, one per distinct input; and lead -> names sharing it.
+    With `outputs`, the layer's outputs of the same forward are appended to it (record_linear_inputs)."""
     hessians: dict[str, HessianAccumulator] = {}
     sharing: dict[str, list[str]] = {}
     lead_of = WhileAlive()  # an input tensor -> the linear whose Hessian took it
@@ -177,7 +178,7 @@ def _collect_hessians(layer: nn.Module, names: list[str], inputs, device):
         hessians[name].add(x2d)
         lead_of.put(x2d, name)
 
-    record_linear_inputs(layer, names, inputs, device, record)
+    record_linear_inputs(layer, names, inputs, device, record, outputs)
     hessians, sharing = expert_hessians.complete(layer, names, hessians, sharing)
     for accumulator in hessians.values():  # the same order on every rank
         merge_ranks(accumulator)

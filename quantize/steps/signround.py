@@ -34,7 +34,8 @@ from lowbit.quantize.runtime import cpu_kernels
 from lowbit.quantize.runtime.buffers import on_device
 from lowbit.quantize.runtime.modules import module_for
 from lowbit.quantize.steps.context import StepContext
-from lowbit.quantize.steps.layerwise import outside_layers, resolve_forward_dtype, round_outside
+from lowbit.quantize.steps.layerwise import collect_hessians, outside_layers, resolve_forward_dtype, round_outside
+from lowbit.quantize.steps.signround_start import gptq_views, refuse_unstartable
 from lowbit.quantize.steps.spec import WALK, StepSpec
 from lowbit.quantize.targets import planned_targets, replace_module
 
@@ -51,7 +52,11 @@ class SignRoundConfig:
     # (GPTQ's target); "model", the float model's own hidden states after the layer (AutoRound's), so a
     # layer also learns to make up for the error of the layers before it
     target: Literal["layer", "model"] = "layer"
-    WRITTEN_WHEN_SET = ("target",)  # recipes written before the option keep their recipe.yaml
+    # where the offsets start: "nearest", the float weights (SignRound's own start); "gptq", each layer's
+    # linears first solved by GPTQ on the Hessians of the same forward that makes the target, the offsets
+    # then moving around the weights GPTQ rounded and a factor on each group's GPTQ scale (integer grids)
+    start: Literal["nearest", "gptq"] = "nearest"
+    WRITTEN_WHEN_SET = ("target", "start")  # recipes written before the option keep their recipe.yaml
 
     def __post_init__(self):
         if self.iterations < 1 or self.batch < 1:
@@ -62,6 +67,8 @@ class SignRoundConfig:
             raise ValueError(f"signround: forward_dtype must be auto, bfloat16 or float32, got {self.forward_dtype!r}")
         if self.target not in ("layer", "model"):
             raise ValueError(f"signround: target must be layer or model, got {self.target!r}")
+        if self.start not in ("nearest", "gptq"):
+            raise ValueError(f"signround: start must be nearest or gptq, got {self.start!r}")
 
     @property
     def first_rate(self) -> float:
@@ -71,6 +78,8 @@ class SignRoundConfig:
 def apply(ctx: StepContext, cfg: SignRoundConfig) -> dict:
     targets, grids = planned_targets(ctx.model, ctx.arch, ctx.ignore, cfg.scheme)
     refuse_unlearnable(grids)
+    if cfg.start == "gptq":
+        refuse_unstartable(grids)
     outside = outside_layers(ctx, targets)
     forward_dtype = resolve_forward_dtype(cfg.forward_dtype, ctx.device)
     print(f"[signround] {cfg.iterations} steps per layer, batches of {cfg.batch}, first step "
@@ -81,13 +90,18 @@ def apply(ctx: StepContext, cfg: SignRoundConfig) -> dict:
     def on_layer(i, prefix, layer, inputs):
         names = [n for n in ctx.arch.linears if f"{prefix}.{n}" in targets.linears]
         into = ctx.offload.new() if ctx.offload else None  # where the walk's own activations wait
-        wanted = None
+        wanted, hessians = None, None
         if stream is not None:  # the float model's states after this layer, before it is quantized
             wanted = layer_forward(layer, stream.entering(i, prefix, inputs), ctx.device, into)
             stream.hidden = wanted
+        elif names and cfg.start == "gptq":  # one forward: the target and GPTQ's Hessians
+            wanted = [] if into is None else into
+            hessians = collect_hessians(layer, names, inputs, ctx.device, outputs=wanted)
         elif names:
             wanted = layer_forward(layer, inputs, ctx.device, into)  # the float layer on the quantized stream
-        record = learn_layer(prefix, layer, names, grids, inputs, wanted, cfg, ctx.device)
+        if names and cfg.start == "gptq" and hessians is None:
+            hessians = collect_hessians(layer, names, inputs, ctx.device)
+        record = learn_layer(prefix, layer, names, grids, inputs, wanted, cfg, ctx.device, hessians)
         for name in names:
             del targets.linears[f"{prefix}.{name}"]
         return record
@@ -127,14 +141,19 @@ class FloatStream:
 
 
 def learn_layer(prefix: str, layer: nn.Module, names: list[str], grids: dict, inputs, wanted,
-                cfg: SignRoundConfig, device) -> dict:
+                cfg: SignRoundConfig, device, hessians=None) -> dict:
     """Learn the rounding of the layer's named linears so that the layer's output on `inputs` matches
-    `wanted` (per micro-batch: a list, or a container like the walk's activations), then replace them."""
+    `wanted` (per micro-batch: a list, or a container like the walk's activations), then replace them.
+    With start gptq, `hessians` are collect_hessians' of the named linears on `inputs`."""
     start = time.perf_counter()
     if not names:
         return {"layer": prefix, "seconds": 0.0, "linears": []}
     modules = {n: layer.get_submodule(n) for n in names}
-    views = {n: learned_view(grids[f"{prefix}.{n}"], linear_weight(m).to(device)) for n, m in modules.items()}
+    fallbacks = {}
+    if cfg.start == "gptq":
+        views, fallbacks = gptq_views(prefix, layer, grids, *hessians, device)
+    else:
+        views = {n: learned_view(grids[f"{prefix}.{n}"], linear_weight(m).to(device)) for n, m in modules.items()}
     fuse_fake_weights(views, device)
     with learning(layer, modules, views):
         losses = descend(layer, views, inputs, wanted, cfg, device)
@@ -145,7 +164,8 @@ def learn_layer(prefix: str, layer: nn.Module, names: list[str], grids: dict, in
     seconds = time.perf_counter() - start
     print(f"[signround] {prefix}: loss {losses['first']:.3g} -> {losses['best']:.3g} (best of "
           f"{cfg.iterations} steps, {seconds:.1f} s)", file=sys.stderr)
-    return {"layer": prefix, "seconds": round(seconds, 3), "linears": [f"{prefix}.{n}" for n in names], **losses}
+    record = {"layer": prefix, "seconds": round(seconds, 3), "linears": [f"{prefix}.{n}" for n in names], **losses}
+    return {**record, "expert_fallbacks": fallbacks} if fallbacks else record
 
 
 def fuse_fake_weights(views: dict, device=None) -> None:
