@@ -54,7 +54,8 @@ class IntLearnedRounding(nn.Module):
         self.max_factor = nn.Parameter(torch.ones_like(self.hi))
         # a symmetric grid's range is one absmax: one factor scales both ends
         self.min_factor = None if scheme.symmetric else nn.Parameter(torch.ones_like(self.lo))
-        self.start = None  # from_gptq: the (scale, zero) the factor multiplies (zero as it is)
+        self.register_buffer("start_scale", None)  # from_gptq: the scale the factor multiplies
+        self.register_buffer("start_zero", None)  # and the zero point it keeps
 
     @classmethod
     def from_gptq(cls, pre_round: torch.Tensor, scale: torch.Tensor, zero, scheme: IntScheme) -> "IntLearnedRounding":
@@ -62,13 +63,12 @@ class IntLearnedRounding(nn.Module):
         the errors pushed onto it), on GPTQ's scales and zero points (rows, G)."""
         view = cls(pre_round, scheme)
         view.min_factor = None
-        view.register_buffer("start_scale", scale.detach().float().clone())
-        view.register_buffer("start_zero", None if zero is None else zero.detach().float().clone())
-        view.start = True
+        view.start_scale = scale.detach().float().clone()
+        view.start_zero = None if zero is None else zero.detach().float().clone()
         return view
 
     def _scale_zero(self):
-        if self.start is not None:
+        if self.start_scale is not None:
             return self.start_scale * self.max_factor, self.start_zero
         low = self.min_factor if self.min_factor is not None else self.max_factor
         return scale_zero_from_range(self.lo * low, self.hi * self.max_factor, self.scheme)
