@@ -19,7 +19,7 @@ START_GPTQ = dict(actorder="static", dampening_frac=0.1, scale_search="mse", tru
 
 def refuse_unstartable(grids: dict) -> None:
     for name, grid in grids.items():
-        if not isinstance(grid, IntScheme) or grid.strategy == "tensor":
+        if getattr(grid, "FAMILY", None) != IntScheme.FAMILY or not grid.scales_per_row():
             raise ValueError(f"signround: start gptq starts from GPTQ's per-channel or per-group integer solve; "
                              f"{name} is planned onto {grid.describe()}: use start nearest for it")
 
