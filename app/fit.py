@@ -7,6 +7,7 @@ GGUF file with a GGML type per tensor (for llama.cpp).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -53,11 +54,25 @@ def _listed(text) -> tuple[str, ...]:
     return tuple(k.strip() for k in (text or "").split(",") if k.strip())
 
 
+FLAGS = {"bits_per_weight": "--budget-bits-per-weight", "memory": "--memory", "context": "--context",
+         "batch": "--batch", "prefill_chunk": "--prefill-chunk", "overhead": "--overhead", "types": "--types",
+         "kv_formats": "--kv-formats", "samples": "--samples", "seq_len": "--seq-len"}  # FitConfig key -> flag
+
+
+def fit_config(args) -> FitConfig:
+    """The flags as a FitConfig, checked before the model loads and anything is measured; a refusal
+    names the flag the user typed (FitConfig's messages start with the recipe key they are about)."""
+    try:
+        return FitConfig(format=args.format, bits_per_weight=args.budget_bits_per_weight, memory=args.memory,
+                         context=args.context, batch=args.batch, prefill_chunk=args.prefill_chunk,
+                         overhead=args.overhead, types=_listed(args.types), kv_formats=_listed(args.kv_formats),
+                         dataset=args.dataset, samples=args.samples, seq_len=args.seq_len)
+    except ValueError as err:
+        raise ValueError(re.sub(r"^[a-z_]+", lambda key: FLAGS.get(key[0], key[0]), str(err))) from None
+
+
 def cmd_fit(args) -> int:
-    cfg = FitConfig(format=args.format, bits_per_weight=args.budget_bits_per_weight, memory=args.memory,
-                    context=args.context, batch=args.batch, prefill_chunk=args.prefill_chunk, overhead=args.overhead,
-                    types=_listed(args.types), kv_formats=_listed(args.kv_formats), dataset=args.dataset,
-                    samples=args.samples, seq_len=args.seq_len)
+    cfg = fit_config(args)
     model, tokenizer, _ = load_model(args.model, torch.float32)
     result = fit(model, tokenizer, args.model, cfg)
     summary = result.summary()

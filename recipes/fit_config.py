@@ -17,14 +17,16 @@ from lowbit.quantize.grids.formats import grid_named
 SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B)\s*$", re.IGNORECASE)
 SIZE_UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
+MAX_BITS = 16  # f16, the widest candidate: a budget above it buys nothing a 16 bits budget does not
+COUNTS = ("context", "batch", "prefill_chunk", "samples", "seq_len")  # whole numbers of tokens or sequences
 WEIGHT_CANDIDATES = {"compressed-tensors": sensitivity.INT_CANDIDATES, "gguf": sensitivity.CANDIDATES}
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, key: str = "memory") -> int:
     match = SIZE.match(text) if isinstance(text, str) else None
     number = _number(match.group(1)) if match else math.nan
     if not math.isfinite(number):  # no number, "1.2.3", or so many digits that float() says inf
-        raise ValueError(f"memory {short_repr(text)}: give a size such as 8GB, 256MB or 7.5GiB")
+        raise ValueError(f"{key} {short_repr(text)}: give a size such as 8GB, 256MB or 7.5GiB")
     return int(number * SIZE_UNITS[match.group(2).lower()])
 
 
@@ -57,16 +59,19 @@ class FitConfig:
     samples: int = 2
     seq_len: int = 256
 
+    # each message starts with the key it is about: `lowbit fit` names its flag there instead (app/fit.py)
     def __post_init__(self):
         if (self.bits_per_weight is None) == (self.memory is None):
             raise ValueError("give one budget: bits_per_weight, or memory (with context and batch)")
-        if self.bits_per_weight is not None and not (math.isfinite(self.bits_per_weight) and self.bits_per_weight > 0):
-            raise ValueError(f"bits_per_weight must be a positive number, got {self.bits_per_weight}")
+        if self.bits_per_weight is not None:
+            _check_bits(self.bits_per_weight)
         if self.memory is not None and parse_size(self.memory) <= 0:
             raise ValueError(f"memory must be positive, got {short_repr(self.memory)}")
-        parse_size(self.overhead)
-        if min(self.context, self.batch, self.prefill_chunk or 1, self.samples, self.seq_len) < 1:
-            raise ValueError("context, batch, prefill_chunk, samples and seq_len must be positive")
+        parse_size(self.overhead, "overhead")
+        for key in COUNTS:
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"{key} must be a whole number of at least 1, got {value}")
         for kind in self.weight_candidates:
             _check_weight_format(kind, self.format)
         bad = [k for k in self.kv_candidates if k not in sensitivity.KV_CANDIDATES]
@@ -89,6 +94,15 @@ class FitConfig:
     @property
     def calibration(self) -> CalibrationConfig:
         return CalibrationConfig(self.dataset, self.samples, self.seq_len)
+
+
+def _check_bits(bits: float) -> None:
+    """A budget in (0, MAX_BITS]: refused before anything is measured (minutes on a small model)."""
+    if not (math.isfinite(bits) and bits > 0):
+        raise ValueError(f"bits_per_weight must be a positive number, got {bits}")
+    if bits > MAX_BITS:
+        raise ValueError(f"bits_per_weight {bits:g} is above {MAX_BITS}, the bits per weight of the widest "
+                         f"candidate (f16); valid budgets are above 0 and at most {MAX_BITS}, e.g. 4.5")
 
 
 def _check_weight_format(kind: str, fmt: str) -> None:

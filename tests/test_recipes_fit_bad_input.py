@@ -1,7 +1,8 @@
-"""`lowbit fit` refuses a budget it cannot meet before it measures anything: non-finite or
-non-positive budgets, and budgets below the cheapest plan it could make (said in bits per weight);
-KV formats that cannot hold the model's heads are left out with a note. Nothing measured shows as
-no entry in the sensitivity cache (LOWBIT_CACHE, a fresh one per test)."""
+"""`lowbit fit` refuses a budget it cannot meet before it measures anything: non-finite,
+non-positive or above-16-bit budgets and other flags out of range (naming the flag), and budgets
+below the cheapest plan it could make (said in bits per weight); KV formats that cannot hold the
+model's heads are left out with a note. Nothing measured shows as no entry in the sensitivity cache
+(LOWBIT_CACHE, a fresh one per test)."""
 from __future__ import annotations
 
 import json
@@ -72,7 +73,24 @@ def refused(capsys, *args) -> str:
 @pytest.mark.parametrize("budget", ["nan", "inf", "-inf", "0", "-3"])
 def test_a_non_finite_or_non_positive_bits_budget_is_refused(model_dir, cache, capsys, budget):
     err = refused(capsys, model_dir, *SMALL_FIT, f"--budget-bits-per-weight={budget}")
-    assert f"bits_per_weight must be a positive number, got {float(budget)}" in err
+    assert f"--budget-bits-per-weight must be a positive number, got {float(budget)}" in err
+    assert measured(cache) == []
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--budget-bits-per-weight", "100"], "--budget-bits-per-weight 100 is above 16, the bits per weight of the "
+     "widest candidate (f16); valid budgets are above 0 and at most 16"),
+    (["--budget-bits-per-weight", "16.5"], "--budget-bits-per-weight 16.5 is above 16"),
+    (["--memory", "1GB", "--context", "0"], "--context must be a whole number of at least 1, got 0"),
+    (["--memory", "1GB", "--batch", "-2"], "--batch must be a whole number of at least 1, got -2"),
+    (["--memory", "1GB", "--overhead", "lots"], "--overhead 'lots': give a size such as 8GB"),
+])
+def test_a_flag_out_of_range_is_refused_naming_it_before_the_model_loads(model_dir, cache, capsys, args, expected):
+    # the flags are checked first: the refusal is the only line (no model loading progress before it)
+    assert main(["fit", model_dir, *SMALL_FIT, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lowbit: error: ") and err.count("\n") == 1, err
+    assert expected in err
     assert measured(cache) == []
 
 
