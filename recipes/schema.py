@@ -82,13 +82,25 @@ def shipped_recipes() -> dict[str, Path]:
 def recipe_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise RecipeError(str(path), "", "recipe file does not exist")
+        check_recipe_file(path)
         return path
     shipped = shipped_recipes()
     if name_or_path not in shipped:
         raise RecipeError(name_or_path, "", f"no such recipe file or shipped recipe; shipped: {sorted(shipped)}")
     return shipped[name_or_path]
+
+
+def check_recipe_file(path: Path) -> None:
+    """A recipe path names a readable YAML file: a folder or a device is said to be one, not to be missing."""
+    valid = "a recipe is a YAML file or a shipped recipe's name (`lowbit recipes` lists them)"
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.y*ml"))[:3]
+        hint = f"; it holds {', '.join(inside)}" if inside else ""
+        raise RecipeError(str(path), "", f"is a directory, not a recipe file; {valid}{hint}")
+    if path.exists() and not path.is_file():
+        raise RecipeError(str(path), "", f"is not a regular file (a device, socket or pipe); {valid}")
+    if not path.is_file():
+        raise RecipeError(str(path), "", f"recipe file does not exist; {valid}")
 
 
 def load_recipe(name_or_path: str, overrides: tuple[str, ...] = ()) -> Recipe:
