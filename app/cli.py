@@ -5,6 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from lowbit.calibrate.cache import check_cache
 from lowbit.calibrate.corpora import CORPORA
 from lowbit.calibrate.models import BUILTIN_MODELS
 from lowbit.evaluate.config import MissingPackageError
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what --nproc re-launches
     try:
+        if getattr(args, "uses_cache", False):  # before any work: a run reads its corpus from it only at evaluation
+            check_cache()
         return args.handler(args)
     except (RecipeError, OSError, ValueError, MissingPackageError, PeerFailure) as err:  # OSError: missing
         # files, permissions, disk full; PeerFailure: a collective another rank left
@@ -71,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=int, default=1, metavar="N",
                      help="calibrate in N processes (torchrun, gloo on CPU): samples split across them, "
                           "statistics all-reduced, linears solved round-robin; rank 0 writes")
-    run.set_defaults(handler=_cmd_run)
+    run.set_defaults(handler=_cmd_run, uses_cache=True)
     export = sub.add_parser("export", help="rewrite a checkpoint in another format")
     export.add_argument("checkpoint", help="checkpoint folder (lowbit's, or compressed-tensors from other tools)")
     export.add_argument("--format", required=True, choices=list(FORMATS),
@@ -114,7 +117,7 @@ def _add_eval_commands(sub) -> None:
     ev.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
     ev.add_argument("--trust-remote-code", action="store_true",
                     help="run the model's own code (config.json's auto_map) when loading it; review it first")
-    ev.set_defaults(handler=cmd_eval)
+    ev.set_defaults(handler=cmd_eval, uses_cache=True)
     rep = sub.add_parser("report", help="compare runs: write report.html and report.md")
     rep.add_argument("runs", nargs="+", metavar="RUN_DIR")
     rep.add_argument("-o", "--output", default="report.html")
@@ -128,7 +131,7 @@ def _add_eval_commands(sub) -> None:
                     help="keep finished runs (folders with results.json) and resume interrupted ones")
     sw.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                     help="override a value in every recipe, e.g. --set evaluate.speed.enabled=true")
-    sw.set_defaults(handler=cmd_sweep)
+    sw.set_defaults(handler=cmd_sweep, uses_cache=True)
     au = sub.add_parser("audit", help="check a checkpoint's coverage: every targeted linear quantized, scales "
                         "finite and positive, KV scales set (exit 0 clean, 1 failed, 2 bad input)")
     au.add_argument("checkpoint", metavar="CHECKPOINT")
@@ -200,21 +203,22 @@ def _cmd_export(args) -> int:
 
 
 def _print_summary(r: dict, output: Path) -> None:
+    from lowbit.quantize.audit import headline
+
     q, m, t = r["quality"], r["memory"], r["timing"]
+    kind = "float" if r.get("audit", {}).get("float_export") else "quantized"  # a float export is not quantized
     base = q["baseline_perplexity"]
     delta = f" ({100 * (q['perplexity'] / base - 1):+.2f}%)" if base else ""
     print(f"recipe      {r['recipe']['name']} on {r['model']['id']} ({r['model']['params'] / 1e6:.1f}M params)")
     if base:
-        print(f"perplexity  baseline {base:.3f}  quantized {q['perplexity']:.3f}{delta}  "
+        print(f"perplexity  baseline {base:.3f}  {kind} {q['perplexity']:.3f}{delta}  "
               f"[{q['dataset']}, {q['protocol']['tokens_scored']} tokens, ctx {q['protocol']['context_len']}]")
     else:
-        print(f"perplexity  quantized {q['perplexity']:.3f}")
+        print(f"perplexity  {kind} {q['perplexity']:.3f}")
     print(f"weights     {m['weight_bytes'] / 2**20:.1f} MiB (16-bit baseline {m['baseline_weight_bytes'] / 2**20:.1f} MiB)")
     print("time        " + "  ".join(f"{k[:-2]} {v:.1f}s" for k, v in t.items()))
-    if "audit" in r:  # a failed audit stops the run before export, so this one passed
-        a, share = r["audit"], r["audit"].get("quantized_share")
-        quantized = "" if share is None else f", {100 * share:.1f}% of decoder-layer matrix parameters quantized"
-        print(f"audit       passed: {a['checked']} linears checked{quantized}, {len(a['ignored'])} left float")
+    if "audit" in r:  # the line `lowbit audit` prints of the checkpoint
+        print(f"audit       {headline(r['audit'])}")
     print(f"checkpoint  {output}  (results.json beside it)")
 
 

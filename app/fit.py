@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
     p.add_argument("--step", choices=("rtn", "gptq"), default="gptq", help="how the written recipe rounds")
     p.add_argument("--write", metavar="RECIPE.yaml", help="write the plan as a recipe for `lowbit run`")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    p.set_defaults(handler=cmd_fit)
+    p.set_defaults(handler=cmd_fit, uses_cache=True)  # its sensitivities are cached
 
 
 def _listed(text) -> tuple[str, ...]:

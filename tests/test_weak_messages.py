@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 
+from tiny_models import save_tiny_llama
 from lowbit.app.cli import main
+
+QUICK = ["--set", "evaluate.baseline=false", "--set", "evaluate.perplexity.max_tokens=256",
+         "--set", "evaluate.perplexity.context_len=128", "--set", "evaluate.perplexity.stride=128",
+         "--set", "calibration.samples=4", "--set", "calibration.seq_len=64"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(save_tiny_llama(tmp_path_factory.mktemp("weak") / "tiny", layers=2))
 
 
 def one_error_line(capsys, args) -> str:
@@ -24,3 +34,18 @@ def test_a_recipe_path_that_is_a_folder_is_said_to_be_one(tmp_path, capsys):
     line = one_error_line(capsys, ["run", str(folder), "--dry-run"])
     assert line == (f"lowbit: error: {folder}: is a directory, not a recipe file; a recipe is a YAML file or a "
                     "shipped recipe's name (`lowbit recipes` lists them); it holds w4.yaml")
+
+
+@pytest.mark.parametrize("command", ["run w4a16-rtn --model {model} --output {out}",
+                                     "run w4a16-rtn --model {model} --output {out} --dry-run",
+                                     "fit {model} --budget-bits-per-weight 4"])
+def test_an_unusable_lowbit_cache_is_refused_at_the_start_naming_the_variable(tiny, tmp_path, monkeypatch, capsys,
+                                                                              command):
+    # /dev/null is a device: nothing can be made under it (the raw error was "[Errno 20] Not a directory",
+    # and w4a16-rtn met it only at evaluation, after quantizing)
+    monkeypatch.setenv("LOWBIT_CACHE", "/dev/null/x")
+    args = command.format(model=tiny, out=tmp_path / "out").split()
+    line = one_error_line(capsys, args + (QUICK if args[0] == "run" else []))
+    assert line == ("lowbit: error: LOWBIT_CACHE=/dev/null/x cannot be used as lowbit's cache folder: /dev/null is "
+                    "not a folder; set LOWBIT_CACHE to a writable folder or unset it (default ~/.cache/lowbit)")
+    assert not any(tmp_path.iterdir())  # nothing written: no resume folder, no lock
