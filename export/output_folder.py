@@ -27,6 +27,7 @@ def check_output_dir(out_dir: Path, overwrite: bool, flag: str = "--output", sho
     """Refuse, naming `flag` and the user's `shown` text, an output lowbit may not write or replace."""
     out_dir, shown = Path(out_dir), shown or str(out_dir)
     check_output_name(out_dir, flag, shown)
+    check_not_a_link(out_dir, flag, shown)
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputError(f"{flag} {shown} exists and is not a folder; choose another {flag}")
     if not out_dir.is_dir() or not any(out_dir.iterdir()):
@@ -46,6 +47,17 @@ def check_output_name(out_dir: Path, flag: str, shown: str) -> None:
     if len(name.encode()) > NAME_BYTES:
         raise OutputError(f"{flag}: the folder name is {len(name.encode())} bytes; lowbit writes hidden folders "
                           f"beside it named .NAME.partial-…, so it may be at most {NAME_BYTES} bytes")
+
+
+def check_not_a_link(out_dir: Path, flag: str = "--output", shown: Optional[str] = None) -> None:
+    """Refuse an output that is a symbolic link, dangling or not. The link is the user's: lowbit
+    publishes by renaming a finished folder into the output's place (moving a previous one aside),
+    which would replace or move the link itself, never write into the folder it points to."""
+    if out_dir.is_symlink():
+        real = os.path.realpath(out_dir)
+        raise OutputError(f"{flag} {shown or out_dir} is a symbolic link (to {real}); lowbit writes its output by "
+                          f"renaming a finished folder into place, which would replace the link, not fill the "
+                          f"folder it points to: pass the real folder's path, {flag} {real}")
 
 
 def check_replaceable(out_dir: Path, flag: str = "--output", shown: Optional[str] = None) -> None:

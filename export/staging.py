@@ -12,7 +12,7 @@ from typing import Callable
 
 from .files import os_error, out_of_space_names
 from .manifest import write_manifest
-from .output_folder import check_output_dir, check_replaceable
+from .output_folder import check_not_a_link, check_output_dir, check_replaceable
 
 
 def write_staged(out_dir: str | Path, overwrite: bool, extra_files: dict[str, str] | None,
@@ -64,8 +64,10 @@ def check_plain_name(name: str, what: str) -> None:
 
 def publish(staging: Path, out_dir: Path) -> None:
     """Rename a finished folder to out_dir; a folder lowbit wrote there is replaced (moved aside
-    first), checked again here: files may have appeared in it since the command began."""
-    if out_dir.is_dir() and not out_dir.is_symlink() and not any(out_dir.iterdir()):
+    first), checked again here: files may have appeared in it since the command began, or a link
+    been made there, which is the user's and never renamed."""
+    check_not_a_link(out_dir)
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
         out_dir.rmdir()  # an empty folder made for the output
     if not out_dir.exists():
         staging.rename(out_dir)

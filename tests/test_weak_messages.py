@@ -3,6 +3,8 @@ symlink, an unusable cache path, an outsize weight in a saved model): each now e
 naming what the user gave and what would be valid, before the work it would have wasted."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tiny_models import save_tiny_llama
@@ -49,3 +51,35 @@ def test_an_unusable_lowbit_cache_is_refused_at_the_start_naming_the_variable(ti
     assert line == ("lowbit: error: LOWBIT_CACHE=/dev/null/x cannot be used as lowbit's cache folder: /dev/null is "
                     "not a folder; set LOWBIT_CACHE to a writable folder or unset it (default ~/.cache/lowbit)")
     assert not any(tmp_path.iterdir())  # nothing written: no resume folder, no lock
+
+
+def test_a_symlinked_output_is_refused_alike_by_dry_run_and_run_and_the_link_is_left_alone(tiny, tmp_path, capsys):
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    expected = (f"lowbit: error: --output {link} is a symbolic link (to {real}); lowbit writes its output by renaming "
+                "a finished folder into place, which would replace the link, not fill the folder it points to: "
+                f"pass the real folder's path, --output {real}")
+    args = ["run", "w4a16-rtn", "--model", tiny, "--output", str(link), *QUICK]
+    assert one_error_line(capsys, [*args, "--dry-run"]) == expected
+    assert one_error_line(capsys, args) == expected  # was: "--overwrite will not replace it", none given
+    assert one_error_line(capsys, [*args, "--overwrite"]) == expected
+    assert os.readlink(link) == str(real) and not any(real.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no lock, resume or .old folder
+
+
+def test_a_link_made_at_the_output_during_a_run_is_never_renamed_at_publish(tmp_path):
+    from lowbit.export.output_folder import OutputError
+    from lowbit.export.staging import publish
+
+    staging = tmp_path / ".out.partial-1"
+    staging.mkdir()
+    (staging / "model.safetensors").write_bytes(b"x")
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "out").symlink_to(real)  # made after the run's checks, before it publishes
+    with pytest.raises(OutputError, match="--output .*out is a symbolic link"):
+        publish(staging, tmp_path / "out")
+    assert os.readlink(tmp_path / "out") == str(real) and (staging / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.partial-1", "out", "real"]
