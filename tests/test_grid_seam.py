@@ -85,6 +85,7 @@ def test_every_plan_answers_the_protocol(plan):
     assert plan.takes_inputs(None) is not None and isinstance(plan.describe(), str)
     for grid in grids.values():
         assert grid.takes_inputs(None) or grid.takes_inputs("none")
+        assert grid.largest_stored() is None or grid.largest_stored() > 0
         assert isinstance(grid.describe(None if grid.takes_inputs(None) else "none"), str)
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from tiny_models import save_tiny_llama
 from lowbit.app.cli import main
+from lowbit.quantize.grids.gguf import LAYOUTS, GGUFScheme
 
 QUICK = ["--set", "evaluate.baseline=false", "--set", "evaluate.perplexity.max_tokens=256",
          "--set", "evaluate.perplexity.context_len=128", "--set", "evaluate.perplexity.stride=128",
@@ -18,6 +20,20 @@ QUICK = ["--set", "evaluate.baseline=false", "--set", "evaluate.perplexity.max_t
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
     return str(save_tiny_llama(tmp_path_factory.mktemp("weak") / "tiny", layers=2))
+
+
+def with_weight(source: str, folder, tensor: str, value: float) -> str:
+    """A copy of the model folder `source` whose saved `tensor` holds `value` at [3, 5]."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    path = folder / "model.safetensors"
+    weights = load_file(path)
+    weights[tensor][3, 5] = value
+    save_file(weights, path, metadata={"format": "pt"})
+    return str(folder)
 
 
 def one_error_line(capsys, args) -> str:
@@ -83,3 +99,29 @@ def test_a_link_made_at_the_output_during_a_run_is_never_renamed_at_publish(tmp_
         publish(staging, tmp_path / "out")
     assert os.readlink(tmp_path / "out") == str(real) and (staging / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.partial-1", "out", "real"]
+
+
+def test_a_weight_gguf_q4_0_cannot_store_is_refused_before_any_step(tiny, tmp_path, capsys):
+    # 1e6 / 8 overflows Q4_0's fp16 block scale (65504): the final audit found it, after all the work
+    model = with_weight(tiny, tmp_path / "big", "model.layers.1.mlp.down_proj.weight", 1e6)
+    out = tmp_path / "out"
+    assert one_error_line(capsys, ["run", "gguf-q4_0", "--model", model, "--output", str(out), *QUICK]) == (
+        "lowbit: error: model.layers.1.mlp.down_proj: weight [3, 5] is 1e+06, beyond the largest magnitude gguf "
+        "q4_0 can store, 524032 (its scales would overflow); fix the source weight, or keep this linear 16-bit "
+        "with ignore: [model.layers.1.mlp.down_proj]")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big"]  # no step ran: nothing kept to resume
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_every_gguf_type_stores_weights_up_to_its_largest_stored(kind):
+    grid = GGUFScheme(kind)
+    limit = grid.largest_stored()
+    w = torch.randn(4, grid.block_size, generator=torch.Generator().manual_seed(0)) * 0.02
+    w[0, 3], w[1, 5], w[2] = limit, -limit, limit  # a lone outlier of each sign, and a block of them
+    w[3] = torch.linspace(-limit, limit, grid.block_size)
+    stored = grid.round(w)
+    assert all(torch.isfinite(t.float()).all() for t in (stored.d, stored.dmin) if t is not None)
+    assert torch.isfinite(stored.dequantize()).all()
+    if kind in ("q4_0", "q5_0", "q8_0"):  # exact: the block scale is max / 8, / 16 or / 127, past it inf
+        w[0, 3] = limit * 1.001
+        assert torch.isinf(grid.round(w).d.float()).any()

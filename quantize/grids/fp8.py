@@ -74,6 +74,10 @@ class FP8Scheme:
         scale spans two of them (a tensor's scale, a block across their boundary would)."""
         return self.strategy == "channel"
 
+    def largest_stored(self) -> None:
+        """No limit of its own: its scales are float32 (an export in fp16 limits them as it limits any tensor)."""
+        return None
+
     def round(self, w: torch.Tensor, name: str = "weight") -> "FP8Weight":
         return quantize_weight_fp8(w, self.strategy, self.format, self.block_size)
 

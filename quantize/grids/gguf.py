@@ -53,6 +53,15 @@ LAYOUTS = {
     "iq4_xs": _Layout(256, 32, 136, 0, 15, False, gguf_iquants.VALUES),
 }
 
+FP16_MAX = 65504.0  # the largest finite float16: every GGML block scale (d, dmin) is one
+# The largest magnitude any block of a type stores, as a multiple of FP16_MAX: its scale is the block's
+# largest magnitude over this (Q4_0: d = max / -8; Q8_0: amax / 127). Q4_1 and Q5_1 store the block's
+# min itself in fp16, the K-quants' dmin is the largest sub-block min / 63, Q6_K's and IQ4_XS's super-block
+# scale divides the sub-block scales (max / ~32, / ~113) again by 128 and 32, IQ4_NL's least-squares
+# scale reaches max / 113: rounded down, so a weight within it is stored (tests/test_weak_messages.py)
+REACH = {"q8_0": 127, "q4_0": 8, "q5_0": 16, "q4_1": 1, "q5_1": 1, "q4_k": 63, "q5_k": 63, "q6_k": 31 * 128,
+         "iq4_nl": 112, "iq4_xs": 112 * 32}
+
 
 # llama.cpp's substitute for a type whose block does not divide a row (tensor_type_fallback in
 # llama-quant.cpp): a 32-block type of at least the same precision.
@@ -98,6 +107,10 @@ class GGUFScheme:
 
     def round(self, w: torch.Tensor, name: str = "weight") -> "GGUFWeight":
         return quantize_gguf(w, self, name)
+
+    def largest_stored(self) -> float:
+        """The largest weight magnitude any block stores: past it the fp16 block scale is inf."""
+        return FP16_MAX * REACH[self.type]
 
     def search_groups(self, w: torch.Tensor) -> torch.Tensor:
         """w (rows, in) as (rows, in / 32, 32): searches judge 32 weights together, the smallest GGML

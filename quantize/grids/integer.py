@@ -84,6 +84,10 @@ class IntScheme:
     def stacks_rows(self) -> bool:
         return True  # every scale lies within one row: linears sharing an input may be solved stacked
 
+    def largest_stored(self) -> None:
+        """No limit of its own: its scales are float32 (an export in fp16 limits them as it limits any tensor)."""
+        return None
+
     NAME_FORMS = "int<bits> (per channel, bits 2-8), int<bits>_g<group> (e.g. int4_g128)"
 
     def stored_bytes(self, rows: int, cols: int) -> int:

@@ -70,6 +70,10 @@ class MXScheme:
     def stacks_rows(self) -> bool:
         return True  # a scale covers 32 weights of one row
 
+    def largest_stored(self) -> None:
+        """No limit of its own: its E8M0 scales reach 2^127, past float32's largest weight."""
+        return None
+
     NAME_FORMS = "mxfp4"
 
     def stored_bytes(self, rows: int, cols: int) -> int:

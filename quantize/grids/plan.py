@@ -14,6 +14,8 @@ A *grid* is one linear's number format (IntScheme, FP8Scheme, MXScheme, GGUFSche
   grid, and `weight(swept)` from the swept values;
 - `stored_bytes(rows, cols)`: the bytes a (rows, cols) weight takes in a checkpoint, scales included
   (`lowbit fit` weighs candidates by it);
+- `largest_stored()`: the largest weight magnitude it can store (a GGUF block scale is fp16), or None
+  where it has no limit of its own (app/preflight.py refuses a weight past it before any step runs);
 - on its class, `named(name)`: the grid a per-linear plan's format name gives (`int4_g128`,
   `fp8_e4m3`, `mxfp4`), else None, and `NAME_FORMS`, those names as an error message lists them
   (quantize/grids/formats.py asks both);
