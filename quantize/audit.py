@@ -33,10 +33,15 @@ def describe_module(module: nn.Module) -> str:
     return module.linear_scheme().describe() if is_quantized_linear(module) else f"float {type(module).__name__}"
 
 
+def held(module: nn.Module) -> str:
+    """What a checked linear holds, as the summary counts it: its scheme, or float."""
+    return module.linear_scheme().describe() if is_quantized_linear(module) else "float"
+
 
 @dataclass
 class AuditReport:
     checked: dict[str, str] = field(default_factory=dict)  # targeted linear -> its expected scheme
+    off_plan: dict[str, str] = field(default_factory=dict)  # checked linear holding something else -> what
     ignored: dict[str, str] = field(default_factory=dict)  # linear left float -> why
     problems: list[str] = field(default_factory=list)  # "<module>: <what is wrong>"
     damping: list[str] = field(default_factory=list)  # layers whose Hessian needed extra damping
@@ -44,13 +49,15 @@ class AuditReport:
     kv: Optional[str] = None  # the KV-cache scheme checked, if any
     matrices: MatrixCount = field(default_factory=MatrixCount)  # decoder-layer matrix parameters
     integrity: Optional[str] = None  # a written checkpoint's files against manifest.json
+    float_export: Optional[str] = None  # a checkpoint written unquantized on purpose: what its recipe asked
 
     @property
     def passed(self) -> bool:
         return not self.problems
 
     def counts(self) -> dict[str, int]:
-        return dict(sorted(Counter(self.checked.values()).items()))
+        """The checked linears that hold their expected scheme, per scheme (off_plan: the others)."""
+        return dict(sorted(Counter(s for n, s in self.checked.items() if n not in self.off_plan).items()))
 
     def to_dict(self) -> dict:
         share = self.matrices.share
@@ -58,26 +65,15 @@ class AuditReport:
                "ignored": dict(self.ignored), "kv_cache": self.kv, "problems": list(self.problems),
                "damping": list(self.damping), "quantized_share": None if share is None else round(share, 6),
                "decoder_matrix_params": {"quantized": self.matrices.quantized, "float": self.matrices.float}}
-        if self.fallbacks:
-            out["expert_fallbacks"] = list(self.fallbacks)
-        return out if self.integrity is None else {**out, "integrity": self.integrity}
+        extra = {"off_plan": dict(self.off_plan), "expert_fallbacks": list(self.fallbacks),
+                 "float_export": self.float_export, "integrity": self.integrity}
+        return {**out, **{k: v for k, v in extra.items() if v}}  # said where there is something to say
 
     def headline(self) -> str:
-        kv = f", KV cache {self.kv}" if self.kv else ""
-        verdict = "passed" if self.passed else f"FAILED ({len(self.problems)} problems)"
-        share = self.matrices.share
-        quantized = "" if share is None else f", {100 * share:.1f}% of decoder-layer matrix parameters quantized"
-        return f"{verdict}: {len(self.checked)} linears checked{quantized}, {len(self.ignored)} left float{kv}"
+        return headline(self.to_dict())
 
     def lines(self) -> list[str]:
-        """A readable summary: integrity, one line per scheme, float linear, damping note and problem."""
-        out = [f"integrity {self.integrity}"] if self.integrity else []
-        out += [f"{n:4d}  {scheme}" for scheme, n in self.counts().items()]
-        out += [f"float     {name}: {why}" for name, why in self.ignored.items()]
-        out += [f"damping   {note}" for note in self.damping]
-        out += [f"fallback  {note}" for note in self.fallbacks]
-        out += [f"PROBLEM   {p}" for p in self.problems]
-        return out
+        return report_lines(self.to_dict())
 
     def raise_if_failed(self) -> None:
         if self.passed:
@@ -86,6 +82,43 @@ class AuditReport:
         more = f"\n  … and {len(self.problems) - MAX_LISTED} more" if len(self.problems) > MAX_LISTED else ""
         raise AuditError(f"coverage audit failed: {len(self.problems)} problem(s) in "
                          f"{len(self.checked)} checked linears:\n{listed}{more}")
+
+
+def headline(audit: dict) -> str:
+    """The audit's verdict in one line, from AuditReport.to_dict() (results.json's `audit`): what a run
+    prints, `lowbit audit` prints and the model card quotes, so the three cannot disagree."""
+    verdict = "passed" if audit["passed"] else f"FAILED ({len(audit['problems'])} problems)"
+    if audit.get("float_export"):  # no share or count of quantized linears: the file holds none
+        return f"{'not quantized' if audit['passed'] else verdict}: {audit['float_export']}"
+    share = audit.get("quantized_share")
+    quantized = "" if share is None else f", {100 * share:.1f}% of decoder-layer matrix parameters quantized"
+    kv = f", KV cache {audit['kv_cache']}" if audit.get("kv_cache") else ""
+    return f"{verdict}: {audit['checked']} linears checked{quantized}, {len(audit['ignored'])} left float{kv}"
+
+
+def report_lines(audit: dict) -> list[str]:
+    """A readable summary from AuditReport.to_dict(): integrity, what the checked linears hold (one
+    line), each float linear, damping note, fallback and problem."""
+    out = [f"integrity {audit['integrity']}"] if audit.get("integrity") else []
+    out += [f"linears   {held_line(audit)}"] if audit["checked"] else []
+    out += [f"float     {name}: {why}" for name, why in audit["ignored"].items()]
+    out += [f"damping   {note}" for note in audit["damping"]]
+    out += [f"fallback  {note}" for note in audit.get("expert_fallbacks", [])]
+    out += [f"PROBLEM   {p}" for p in audit["problems"]]
+    return out
+
+
+def held_line(audit: dict, listed: int = 3) -> str:
+    """What the checked linears hold, counted as found: '55 int4 sym group 64, 1 float (FAILED:
+    model.layers.0.mlp.experts.3.up_proj)'; each kind held against the plan names its linears."""
+    parts = [f"{n} {scheme}" for scheme, n in audit.get("schemes", {}).items()]
+    off: dict[str, list[str]] = {}
+    for name, kind in (audit.get("off_plan") or {}).items():
+        off.setdefault(kind, []).append(name)
+    for kind, names in sorted(off.items()):
+        more = f" and {len(names) - listed} more" if len(names) > listed else ""
+        parts.append(f"{len(names)} {kind} (FAILED: {', '.join(names[:listed])}{more})")
+    return ", ".join(parts)
 
 
 def audit_model(model: nn.Module, expected: dict[str, LinearScheme], ignored: dict[str, str],
@@ -107,8 +140,11 @@ def audit_model(model: nn.Module, expected: dict[str, LinearScheme], ignored: di
         try:
             module = model.get_submodule(name)
         except AttributeError:
+            report.off_plan[name] = "missing"
             report.problems.append(f"{name}: no such module in the model")
             continue
+        if not (is_quantized_linear(module) and module.holds(scheme)):
+            report.off_plan[name] = held(module)
         report.problems += check_linear(name, module, scheme, storage_dtype)
     for name, module in model.named_modules():
         if name in expected or not (is_linear(module) or is_quantized_linear(module)):
