@@ -57,7 +57,8 @@ class CompressedTensorsFormat(ExportFormat):
         if any(not (g.get("weights") or {}).get("symmetric", True) for g in groups):
             load = "AutoModelForCausalLM.from_pretrained(path, quantization_config=CompressedTensorsConfig(dequantize=True))"
             note = ["Asymmetric weights: compressed-tensors 0.20.1's default (compressed) load path rejects packed",
-                    "zero points, so dequantize on load as above."]
+                    "zero points, so dequantize on load as above; a mixture of experts does not load so either",
+                    "(transformers 5.25 drops its experts' zero points): load it with `lowbit.export.reader.load(path)`."]
         if not transformers_reads_per_expert(config.get("model_type"), QUANT_METHOD) and _quantized_experts(config):
             note.append(EXPERTS_UNREAD)
         return ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig",
