@@ -6,8 +6,9 @@ The progress lives in `.NAME.resume/`: `state.json` (what the run computes: mode
 steps, ignore, export), and per calibration walk `stepK/` with `layerI.safetensors` (the layer's
 state; quantized modules in compressed-tensors form, float32 scales, so nothing is rounded),
 `hiddenI.safetensors` (the outputs of the last finished layer, what the next layer reads) and
-`progress.json` (layers finished and their results), written last, so a kill at any moment leaves
-the previous consistent state. The run exports into `checkpoint/` here, then writes
+`progress.json` (layers finished, their results, and each file's size and sha256), written last, so a
+kill at any moment leaves the previous consistent state; --resume checks every record and file before
+using any (resume_files.py). The run exports into `checkpoint/` here, then writes
 `exported.json` (what evaluating it needs), evaluates, writes the results into the checkpoint and
 renames it to the output folder; only then is this folder removed. A resumed run whose checkpoint
 was exported only evaluates it.
@@ -28,17 +29,16 @@ from safetensors.torch import load_file
 from torch import nn
 
 from lowbit.export.formats import compressed_tensors as ct
-from lowbit.export.checkpoint import is_lowbit_export
 from lowbit.export.staging import publish
 from lowbit.export.safetensors_join import write_part
-from lowbit.export.manifest import write_text_atomic
+from lowbit.export.manifest import MANIFEST
 from lowbit.quantize.grids.gguf import GGUFScheme
 from lowbit.quantize.runtime.gguf_linear import GGUFLinear
 
-STATE = "state.json"
-PROGRESS = "progress.json"
-EXPORTED = "exported.json"
-CHECKPOINT = "checkpoint"
+from .resume_files import (CHECKPOINT, CHECKPOINT_FILES, EXPORTED, LOST, PROGRESS, REWRITTEN, STATE, DamagedRecord,
+                           check_folder, empty_progress, file_record, kept_in, layer_file_name, note, outputs_file_name,
+                           read_sealed, write_sealed)
+
 IDENTITY_KEYS = ("model", "calibration", "steps", "ignore")  # what decides the quantized weights
 
 
@@ -62,9 +62,17 @@ class RunProgress:
         # weights: a run may resume elsewhere
         identity["calibration"] = {k: v for k, v in (identity["calibration"] or {}).items()
                                    if k not in ("device", "streaming", "offload")}
+        if resume and (folder / STATE).is_file():
+            _check_same_run(folder, identity)
+            check_folder(folder)  # before anything in it is used: what does not prove itself is dropped
+        elif resume and any(folder.glob("step*/")):
+            note(f"{folder / STATE}: missing, so nothing in {folder} can be matched to this run; it starts over")
         kept = kept_in(folder)
         if kept:
-            _check_resumable(folder, identity, resume, kept)
+            if not resume:
+                raise FileExistsError(
+                    f"{folder} holds an interrupted run ({kept}): pass --resume to continue it, or delete "
+                    "that folder to start over")
             print(f"[lowbit] resuming from {folder}: {kept}", file=sys.stderr)
         else:
             shutil.rmtree(folder, ignore_errors=True)  # nothing finished in it: nothing to keep
@@ -96,13 +104,18 @@ class RunProgress:
         return self.checkpoint
 
     def record_export(self, record: dict) -> None:
-        """Written once the checkpoint is whole: what evaluating it needs without the float model."""
-        write_text_atomic(self.folder / EXPORTED, json.dumps(record, indent=1))
+        """Written once the checkpoint is whole: what evaluating it needs without the float model,
+        and its files as the export's manifest lists them (what --resume checks before using it)."""
+        listed = json.loads((self.checkpoint / MANIFEST).read_text(encoding="utf-8"))["files"]
+        files = {name: entry for name, entry in listed.items() if name not in REWRITTEN}
+        write_sealed(self.folder / EXPORTED, {**record, CHECKPOINT_FILES: files})
 
     def exported(self) -> Optional[dict]:
         """The record of an earlier run that exported and then failed, or None."""
         path = self.folder / EXPORTED
-        return json.loads(path.read_text()) if path.is_file() else None
+        if not path.is_file():
+            return None
+        return {k: v for k, v in read_sealed(path).items() if k != CHECKPOINT_FILES}
 
     def publish(self, output: Path) -> None:
         publish(self.checkpoint, output)
@@ -111,15 +124,7 @@ class RunProgress:
     def _write_state(self, replace: bool = False) -> None:
         if replace or not (self.folder / STATE).is_file():
             self.folder.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.folder / STATE, json.dumps(self.identity, indent=1))
-
-
-def kept_in(folder: Path) -> str:
-    """What a failed run left in its resume folder that --resume uses, in words ('' for nothing)."""
-    if (folder / EXPORTED).is_file() and is_lowbit_export(folder / CHECKPOINT):
-        return "the exported checkpoint (--resume evaluates it without recalibrating)"
-    finished = finished_layers(folder) if (folder / STATE).is_file() else 0
-    return f"{finished} finished layers (--resume continues after them)" if finished else ""
+            write_sealed(self.folder / STATE, self.identity)
 
 
 def kept_summary(output: Path) -> str:
@@ -128,20 +133,15 @@ def kept_summary(output: Path) -> str:
     return f"kept {kept} in {folder}" if kept else "nothing was kept"
 
 
-def finished_layers(folder: Path) -> int:
-    return sum(json.loads(p.read_text())["finished"] for p in folder.glob(f"step*/{PROGRESS}"))
-
-
 def _export_identity(recipe: dict) -> dict:
     return {k: v for k, v in (recipe.get("export") or {}).items() if k != "overwrite"}
 
 
-def _check_resumable(folder: Path, identity: dict, resume: bool, kept: str) -> None:
-    if not resume:
-        raise FileExistsError(
-            f"{folder} holds an interrupted run ({kept}): pass --resume to continue it, or delete "
-            "that folder to start over")
-    saved = json.loads((folder / STATE).read_text())
+def _check_same_run(folder: Path, identity: dict) -> None:
+    try:
+        saved = read_sealed(folder / STATE)
+    except DamagedRecord as err:  # which run this was is unknown: nothing in the folder can be trusted
+        raise DamagedRecord(err.path, f"{err.why}; delete {folder} to start over") from None
     keys = IDENTITY_KEYS + (("export",) if (folder / EXPORTED).is_file() else ())
     differs = [k for k in keys if saved.get(k) != identity.get(k)]
     if differs:
@@ -157,10 +157,18 @@ class StepLayers:
         # required: a streamed run, where these files are the only copy of the finished layers
         self.folder, self.before_first_save, self.required = folder, before_first_save, required
         progress = folder / PROGRESS
-        saved = json.loads(progress.read_text()) if progress.is_file() else {"finished": 0, "results": []}
+        saved = read_sealed(progress) if progress.is_file() else empty_progress()
         self.finished: int = saved["finished"]
         self.results: list = saved["results"]
+        self.files: dict = saved["files"]
+        self.outputs: Optional[str] = saved["outputs"]
         self.disabled = False  # set when a layer cannot be checkpointed: the run goes on without
+
+    @property
+    def outputs_lost(self) -> bool:
+        """Whether the last finished layer's outputs, which the walk goes on from, must be computed
+        again from the restored layers (their file did not prove itself)."""
+        return self.outputs == LOST
 
     def save(self, index: int, prefix: str, layer: nn.Module, result, hidden: Optional[list[torch.Tensor]]) -> None:
         if self.disabled:
@@ -176,28 +184,38 @@ class StepLayers:
             return
         self.before_first_save()
         self.folder.mkdir(parents=True, exist_ok=True)
-        _save_tensors(tensors, self.folder / f"layer{index}.safetensors",
-                      {"qconfig": json.dumps(qconfig), "gguf": json.dumps(gguf_types(layer))})
+        files = {n: r for n, r in self.files.items() if n != self.outputs}  # only the newest outputs are read
+        metadata = {"qconfig": json.dumps(qconfig), "gguf": json.dumps(gguf_types(layer))}
+        files[layer_file_name(index)] = self._save(layer_file_name(index), tensors, metadata)
+        outputs = None
         if hidden is not None:
-            _save_tensors({f"hidden.{k}": h for k, h in enumerate(hidden)}, self.folder / f"hidden{index}.safetensors")
+            outputs = outputs_file_name(index)
+            files[outputs] = self._save(outputs, {f"hidden.{k}": h for k, h in enumerate(hidden)})
         self.results = self.results[:index] + [result]
-        self.finished = index + 1
-        write_text_atomic(self.folder / PROGRESS, json.dumps({"finished": self.finished, "results": self.results}))
-        for old in self.folder.glob("hidden*.safetensors"):  # only the newest is ever read
-            if old.name != f"hidden{index}.safetensors":
+        self.finished, self.files, self.outputs = index + 1, files, outputs
+        write_sealed(self.folder / PROGRESS, {"finished": self.finished, "results": self.results,
+                                              "files": files, "outputs": outputs})
+        for old in self.folder.glob("hidden*.safetensors"):
+            if old.name != outputs:
                 old.unlink()
+
+    def _save(self, name: str, tensors: dict, metadata: Optional[dict] = None) -> dict:
+        """Write one file of the step; its record (size, sha256) for progress.json."""
+        path = self.folder / name
+        _save_tensors(tensors, path, metadata)
+        return file_record(path)
 
     def layer_file(self, index: int) -> Optional[Path]:
         """The saved state of layer `index`, or None while it is not finished."""
-        return self.folder / f"layer{index}.safetensors" if index < self.finished else None
+        return self.folder / layer_file_name(index) if index < self.finished else None
 
     def restore(self, index: int, prefix: str, layer: nn.Module):
         if index >= self.finished:
             return None
         load_layer(prefix, layer, self.layer_file(index))
         hidden = None
-        if index == self.finished - 1 and (self.folder / f"hidden{index}.safetensors").is_file():
-            saved = load_file(str(self.folder / f"hidden{index}.safetensors"))
+        if index == self.finished - 1 and self.outputs not in (None, LOST):
+            saved = load_file(str(self.folder / self.outputs))
             hidden = [saved[f"hidden.{k}"] for k in range(len(saved))]
         return self.results[index], hidden
 

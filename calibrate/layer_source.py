@@ -26,7 +26,10 @@ class LayerStore(Protocol):
     """Where walk() checkpoints finished layers (implemented by the run, which can serialise
     quantized modules): save after each layer; restore returns (result, hidden) for a layer a
     previous run finished — hidden being the outputs of the last finished layer, else None —
-    after loading its state into `layer`, or None when the layer still has to be done."""
+    after loading its state into `layer`, or None when the layer still has to be done.
+    outputs_lost: the saved outputs are gone, so the walk computes each restored layer's outputs."""
+
+    outputs_lost: bool
 
     def save(self, index: int, prefix: str, layer: nn.Module, result,
              hidden: Optional[list[torch.Tensor]]) -> None: ...

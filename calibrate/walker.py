@@ -286,6 +286,8 @@ def walk(model, arch: Arch, batches: torch.Tensor, on_layer, device=None, label:
             result, hidden = restored
             if hidden is not None:
                 inputs.hidden = offload.keep(hidden, device) if offload else hidden
+            elif store.outputs_lost and (final_outputs or i < len(layers) - 1):  # saved ones failed their check
+                inputs.hidden = layer_forward(layer, inputs, device, offload.new() if offload else None)
         else:
             result = on_layer(i, prefix, layer, inputs)
             computed = final_outputs or i < len(layers) - 1

@@ -498,13 +498,13 @@ def test_a_streamed_rtn_run_killed_after_a_layer_resumes_to_the_same_bytes(sourc
     import signal
 
     from faults import kill_run_after_layer
-    from lowbit.app import resume
+    from lowbit.app import resume, resume_files
 
     args = ["run", "w4a16-rtn", "--model", str(sources["qwen3_moe"]), *RUN_SETS, "--set=calibration.streaming=true"]
     assert main([*args, "--output", str(tmp_path / "whole")]) == 0
     out = tmp_path / "killed"
     assert kill_run_after_layer([*args, "--output", str(out)], 0) == -signal.SIGKILL and not out.exists()
-    assert resume.finished_layers(resume.resume_dir(out)) == 1
+    assert resume_files.finished_layers(resume.resume_dir(out)) == 1
     assert main([*args, "--output", str(out), "--resume"]) == 0
     assert (out / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
 

@@ -1,4 +1,6 @@
 """Resume: a run interrupted after a layer continues from there and writes the same checkpoint."""
+import shutil
+
 import pytest
 import torch
 from tiny_models import save_tiny_llama
@@ -60,11 +62,18 @@ def test_resumed_run_writes_the_uninterrupted_checkpoint(tiny_dir, tmp_path, mon
     assert not out.exists() and resume.resume_dir(out).is_dir()
     with pytest.raises(FileExistsError, match="--resume"):  # never silently start over
         run(recipe, out)
+    lost = tmp_path / "outputs-lost"  # the same folder without the outputs layer 2 reads
+    shutil.copytree(resume.resume_dir(out), resume.resume_dir(lost))
+    (resume.resume_dir(lost) / "step0" / "hidden1.safetensors").unlink()
     saves.clear()
     run(recipe, out, resume=True)
     assert saves == [("step0", 2), ("step0", 3)]  # layers 0 and 1 were restored, not redone
     assert (out / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
     assert not resume.resume_dir(out).exists()
+    saves.clear()  # restored layers recompute their outputs exactly, whatever modules the step left
+    run(recipe, lost, resume=True)
+    assert saves == [("step0", 2), ("step0", 3)]
+    assert (lost / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
 
 
 def test_resume_across_steps(tiny_dir, tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ resident run's, byte for byte."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from tiny_models import PINNED_RUN, save_tiny_llama
 from lowbit.calibrate.arch import arch_for, decoder_layers
 from lowbit.calibrate.streaming import is_resident
 from lowbit.export.safetensors_join import join_safetensors
-from lowbit.app import resume
+from lowbit.app import resume, resume_files
 from lowbit.app.cli import main
 from lowbit.app.streamed import StreamedLayers, load_skeleton
 
@@ -172,12 +173,21 @@ def test_killed_streamed_run_resumes_to_the_same_checkpoint(tiny, tmp_path):
     out = tmp_path / "killed"
     code = kill_run_after_layer(["run", "w4a16-gptq", "--model", str(tiny), "--output", str(out), *settings], 1)
     assert code == -signal.SIGKILL and not out.exists()
-    assert resume.finished_layers(resume.resume_dir(out)) == 2
+    assert resume_files.finished_layers(resume.resume_dir(out)) == 2
+    damaged = tmp_path / "damaged"  # the same kill's folder with layer 1 cut short and the outputs gone
+    shutil.copytree(resume.resume_dir(out), resume.resume_dir(damaged))
+    (resume.resume_dir(damaged) / "step0" / "hidden1.safetensors").unlink()
+    layer1 = resume.resume_dir(damaged) / "step0" / "layer1.safetensors"
+    layer1.write_bytes(layer1.read_bytes()[:1000])
     start = time.perf_counter()
     assert main(["run", "w4a16-gptq", "--model", str(tiny), "--output", str(out), "--resume", *settings]) == 0
     assert time.perf_counter() - start < 600
     assert (out / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
     assert not resume.resume_dir(out).exists()
+    # the streamed store is the only copy of its layers: layer 1 is computed again from the shards, on
+    # layer 0's outputs recomputed from its saved state
+    assert main(["run", "w4a16-gptq", "--model", str(tiny), "--output", str(damaged), "--resume", *settings]) == 0
+    assert (damaged / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize("recipe, settings, why", [
