@@ -1,5 +1,5 @@
-"""The memory savers of a streamed layer keep their results: the finiteness check's chunked sums
-still find a NaN or inf wherever it sits, and codes rounded a block of rows at a time are the
+"""The memory savers of a streamed layer keep their results: the finiteness check, a chunk at a time,
+still finds a NaN or inf wherever it sits, and codes rounded a block of rows at a time are the
 codes of the whole weight at once."""
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ def tiny(tmp_path_factory) -> str:
 
 
 def with_weight(source: str, folder, tensor: str, value: float) -> str:
-    """A copy of the model folder `source` whose saved `tensor` holds `value` at [3, 5]."""
+    """A copy of the model folder `source` whose saved `tensor` holds `value` at [3, 5] ([5] if 1-D)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -31,9 +31,15 @@ def with_weight(source: str, folder, tensor: str, value: float) -> str:
     shutil.copytree(source, folder)
     path = folder / "model.safetensors"
     weights = load_file(path)
-    weights[tensor][3, 5] = value
+    weights[tensor][(3, 5) if weights[tensor].dim() == 2 else 5] = value
     save_file(weights, path, metadata={"format": "pt"})
     return str(folder)
+
+
+def refused_run(capsys, tiny, tmp_path, recipe: str, tensor: str, value: float) -> str:
+    """The one error line of `lowbit run RECIPE` on a copy of `tiny` whose `tensor` holds `value`."""
+    model = with_weight(tiny, tmp_path / "big", tensor, value)
+    return one_error_line(capsys, ["run", recipe, "--model", model, "--output", str(tmp_path / "out"), *QUICK])
 
 
 def one_error_line(capsys, args) -> str:
@@ -101,14 +107,22 @@ def test_a_link_made_at_the_output_during_a_run_is_never_renamed_at_publish(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.partial-1", "out", "real"]
 
 
-def test_a_weight_gguf_q4_0_cannot_store_is_refused_before_any_step(tiny, tmp_path, capsys):
+@pytest.mark.parametrize("recipe, tensor, value, expected", [
     # 1e6 / 8 overflows Q4_0's fp16 block scale (65504): the final audit found it, after all the work
-    model = with_weight(tiny, tmp_path / "big", "model.layers.1.mlp.down_proj.weight", 1e6)
-    out = tmp_path / "out"
-    assert one_error_line(capsys, ["run", "gguf-q4_0", "--model", model, "--output", str(out), *QUICK]) == (
-        "lowbit: error: model.layers.1.mlp.down_proj: weight [3, 5] is 1e+06, beyond the largest magnitude gguf "
-        "q4_0 can store, 524032 (its scales would overflow); fix the source weight, or keep this linear 16-bit "
-        "with ignore: [model.layers.1.mlp.down_proj]")
+    ("gguf-q4_0", "model.layers.1.mlp.down_proj.weight", 1e6,
+     "model.layers.1.mlp.down_proj: weight [3, 5] is 1e+06, beyond the largest magnitude gguf q4_0 can store, "
+     "524032 (its scales would overflow); fix the source weight, or keep this linear 16-bit with "
+     "ignore: [model.layers.1.mlp.down_proj]"),
+    # up_proj's 1e30 fed down_proj inputs whose Hessian was inf: GPTQ calibrated, then said only "Hessian
+    # is not positive definite even with dampening_frac 1000.0", naming neither layer nor cause
+    ("w4a16-gptq", "model.layers.0.mlp.up_proj.weight", 1e30,
+     "model weight model.layers.0.mlp.up_proj.weight holds 1e+30 at [3, 5]; past 1.8e+19 a value's square "
+     "overflows float32 (a norm's mean square, GPTQ's Hessian of the inputs it feeds): the checkpoint is corrupt "
+     "or diverged; fix or re-download it"),
+], ids=["gguf-scale-overflow", "square-overflow"])
+def test_an_outsize_weight_is_refused_naming_it_before_any_step(tiny, tmp_path, capsys, recipe, tensor, value,
+                                                                expected):
+    assert refused_run(capsys, tiny, tmp_path, recipe, tensor, value) == f"lowbit: error: {expected}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big"]  # no step ran: nothing kept to resume
 
 
@@ -125,3 +139,15 @@ def test_every_gguf_type_stores_weights_up_to_its_largest_stored(kind):
     if kind in ("q4_0", "q5_0", "q8_0"):  # exact: the block scale is max / 8, / 16 or / 127, past it inf
         w[0, 3] = limit * 1.001
         assert torch.isinf(grid.round(w).d.float()).any()
+
+
+def test_an_overflowing_hessian_names_its_linears_and_the_layers_largest_weight(tiny, tmp_path, capsys):
+    # 5e18 squares within float32, but the q/k/v inputs it scales, squared and summed over the
+    # calibration tokens, do not: caught as the Hessians are collected, before any solve
+    line = refused_run(capsys, tiny, tmp_path, "w4a16-gptq", "model.layers.0.input_layernorm.weight", 5e18)
+    assert line == (
+        "lowbit: error: model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, "
+        "model.layers.0.self_attn.v_proj: the Hessian of their calibration inputs (XᵀX) overflows float32, so GPTQ "
+        "cannot solve it: the inputs are too large for their squares' sums to stay under 3.4e+38. The layer's "
+        "largest weight is model.layers.0.input_layernorm.weight at 5e+18: fix that source weight (the checkpoint "
+        "is corrupt or diverged)")

@@ -71,6 +71,11 @@ class HessianAccumulator:
                 block.add_(x[:, start : start + block.shape[0]].t() @ x[:, start:])
         self.tokens += x.shape[0]
 
+    def finite(self) -> bool:
+        """Whether no sum overflowed float32 (inputs too large to square) or met a NaN. The diagonal
+        tells, in O(columns): |Σ x_i·x_j| <= max(Σ x_i², Σ x_j²), and a NaN input's own square is NaN."""
+        return all(bool(torch.isfinite(block.diagonal()).all()) for block in self.sums if block is not None)
+
     def matrix(self) -> torch.Tensor:
         """The full float32 H; the accumulator keeps its sums."""
         return self._assemble(free=False)

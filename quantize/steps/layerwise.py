@@ -19,6 +19,7 @@ from lowbit.quantize.steps import expert_hessians
 from lowbit.quantize.steps.context import StepContext
 from lowbit.quantize.steps.gptq_solver import HessianAccumulator
 from lowbit.calibrate.arch import linear_weight
+from lowbit.calibrate.checks import largest_value
 from lowbit.quantize.runtime.modules import module_for
 from lowbit.quantize.targets import replace_module
 
@@ -80,7 +81,7 @@ def walk_solving(ctx: StepContext, cfg: GPTQConfig, targets, solve, install) -> 
                 let_go(prefix, layer, name, module)  # before down_proj's solve (0.6 GiB at Llama-3-8B widths)
 
         for group in filter(None, groups):
-            hessians, sharing = collect_hessians(layer, group, inputs, ctx.device)
+            hessians, sharing = collect_hessians(layer, group, inputs, ctx.device, prefix=prefix)
             routed.update(take_routed_tokens(layer, prefix))
             fallbacks.update(expert_hessians.stand_in_starved(prefix, layer, hessians, sharing, seen))
             hessians, sharing = expert_hessians.one_expert_per_solve(hessians, sharing)
@@ -156,9 +157,10 @@ def damping_retries(layers) -> list[dict]:
             for layer in layers for n, s in layer["linears"].items() if s["retries"]]
 
 
-def collect_hessians(layer: nn.Module, names: list[str], inputs, device, outputs=None):
+def collect_hessians(layer: nn.Module, names: list[str], inputs, device, outputs=None, prefix: str = ""):
     """Hessians of the named linears' inputs, one per distinct input; and lead -> names sharing it.
-    With `outputs`, the layer's outputs of the same forward are appended to it (record_linear_inputs)."""
+    With `outputs`, the layer's outputs of the same forward are appended to it (record_linear_inputs).
+    `prefix`: the layer's name, which a refused Hessian's message gives."""
     hessians: dict[str, HessianAccumulator] = {}
     sharing: dict[str, list[str]] = {}
     lead_of = WhileAlive()  # an input tensor -> the linear whose Hessian took it
@@ -182,7 +184,24 @@ def collect_hessians(layer: nn.Module, names: list[str], inputs, device, outputs
     hessians, sharing = expert_hessians.complete(layer, names, hessians, sharing)
     for accumulator in hessians.values():  # the same order on every rank
         merge_ranks(accumulator)
+    check_hessians(layer, hessians, sharing, prefix)  # merged: every rank refuses alike
     return hessians, sharing
+
+
+def check_hessians(layer: nn.Module, hessians: dict, sharing: dict, prefix: str) -> None:
+    """Refuse, naming the linears, an input Hessian that overflowed float32: the solve would retry
+    its damping up to 1000 and say only "not positive definite". Inputs that large come from an
+    outsize weight, most often in the layer itself (a norm's scale, up_proj before down_proj)."""
+    for lead, accumulator in hessians.items():
+        if accumulator.finite():
+            continue
+        names = ", ".join(f"{prefix}.{n}" if prefix else n for n in sharing[lead])
+        source, value = largest_value(layer)
+        raise ValueError(f"{names}: the Hessian of their calibration inputs (XᵀX) overflows float32, so GPTQ "
+                         f"cannot solve it: the inputs are too large for their squares' sums to stay under "
+                         f"{torch.finfo(torch.float32).max:.2g}. The layer's largest weight is "
+                         f"{prefix + '.' if prefix else ''}{source} at {value:g}: fix that source weight "
+                         "(the checkpoint is corrupt or diverged)")
 
 
 def merge_ranks(acc: HessianAccumulator) -> None:

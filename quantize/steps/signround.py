@@ -96,11 +96,11 @@ def apply(ctx: StepContext, cfg: SignRoundConfig) -> dict:
             stream.hidden = wanted
         elif names and cfg.start == "gptq":  # one forward: the target and GPTQ's Hessians
             wanted = [] if into is None else into
-            hessians = collect_hessians(layer, names, inputs, ctx.device, outputs=wanted)
+            hessians = collect_hessians(layer, names, inputs, ctx.device, outputs=wanted, prefix=prefix)
         elif names:
             wanted = layer_forward(layer, inputs, ctx.device, into)  # the float layer on the quantized stream
         if names and cfg.start == "gptq" and hessians is None:
-            hessians = collect_hessians(layer, names, inputs, ctx.device)
+            hessians = collect_hessians(layer, names, inputs, ctx.device, prefix=prefix)
         record = learn_layer(prefix, layer, names, grids, inputs, wanted, cfg, ctx.device, hessians)
         for name in names:
             del targets.linears[f"{prefix}.{name}"]
