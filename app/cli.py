@@ -11,6 +11,7 @@ from lowbit.calibrate.models import BUILTIN_MODELS
 from lowbit.evaluate.config import MissingPackageError
 from lowbit.export.config import DTYPES, GGUF_TYPES
 from lowbit.export.formats.registry import FORMATS
+from lowbit.export.runtimes import RUNTIMES
 
 from lowbit.calibrate.distributed import PeerFailure
 from lowbit.recipes.schema import load_recipe, shipped_recipes
@@ -69,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                      help="override a recipe value, e.g. --set calibration.samples=64")
     run.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
+    run.add_argument("--target", choices=list(RUNTIMES), help="the runtime that must load the checkpoint "
+                     "(overrides export.target): a plan it cannot load is refused before any work")
     run.add_argument("--device", metavar="auto|cpu|cuda|cuda:N",
                      help="where calibration runs (overrides calibration.device; default auto: a GPU if torch sees one)")
     run.add_argument("--nproc", type=int, default=1, metavar="N",
@@ -167,6 +170,8 @@ def _run(args) -> int:
         overrides.append("allow_pickle=true")
     if args.device:
         overrides.append(f"calibration.device={args.device}")
+    if args.target:
+        overrides.append(f"export.target={args.target}")
     recipe = load_recipe(args.recipe, tuple(overrides))
     output = args.run_output = Path(args.output or f"runs/{recipe.name}-{Path(recipe.model).name}")
     if args.dry_run:

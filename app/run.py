@@ -33,6 +33,7 @@ from lowbit.export.manifest import write_text_atomic
 from lowbit.export.model_card import write_model_card
 from lowbit.quantize.steps.context import StepContext
 from lowbit.recipes.gguf_defaults import export_config
+from lowbit.recipes.runtime_targets import check_target
 from lowbit.recipes.schema import Recipe
 
 from .audit import RunAudit
@@ -52,7 +53,10 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False, overwrite: boo
     stopped: from its last finished layer, or, when it had exported, with the evaluation alone.
     overwrite: replace a folder lowbit wrote at `output` (never another: export/output_folder.py)."""
     check_run_output(recipe, output, overwrite)  # before any work, and before the lock is made beside it
-    recipe = resolve_fit(recipe)  # a budget becomes its plan (on every rank, before anything else)
+    planned = resolve_fit(recipe)  # a budget becomes its plan (on every rank, before anything else)
+    if planned is not recipe:  # that plan, against export.target, before calibrating
+        check_target(planned)
+    recipe = planned
     if not world().main:  # under torchrun: the other ranks calibrate with rank 0, which alone writes
         from .ranks import calibrate_only
 
@@ -85,6 +89,7 @@ def check_run_output(recipe: Recipe, output: str | Path, overwrite: bool, shown:
     check_output_dir(Path(output), overwrite, shown=shown)
     require_evaluation_packages(recipe.evaluate)
     resolve_placement(recipe.evaluate.device, recipe.evaluate.dtype)  # evaluate.device cuda without a GPU
+    check_target(recipe)  # a plan export.target's runtime cannot load (recipes/runtime_targets.py)
 
 
 def quantize_and_export(recipe: Recipe, progress: RunProgress) -> dict:

@@ -8,6 +8,7 @@ from lowbit.calibrate.messages import short_repr
 from lowbit.quantize.grids.gguf import LAYOUTS
 
 from .formats.registry import FORMATS
+from .runtimes import RUNTIMES
 
 Format = Literal[tuple(FORMATS)]  # the registered formats' names, so recipes are checked against them
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -27,6 +28,9 @@ class ExportConfig:
     # recipe quantized keep the type their step chose.
     type: Optional[GGUFType] = None
     embedding_type: Optional[GGUFType] = None  # gguf only: the token embedding's type; None: `dtype`
+    # the runtime that must load the checkpoint (export/runtimes.py): a plan it cannot load is refused
+    # before any work; None checks nothing (and is left out of a run's recipe.yaml)
+    target: Optional[Literal[tuple(RUNTIMES)]] = None
 
     def __post_init__(self):
         if self.format not in FORMATS:

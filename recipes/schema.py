@@ -58,6 +58,8 @@ class Recipe:
         for key in ("moe", "moe_min_tokens"):  # said where they differ from the defaults, as recipes before them wrote
             if plain["calibration"][key] == getattr(defaults, key):
                 del plain["calibration"][key]
+        if self.export.target is None:  # said only where set, so recipes written before it keep their bytes
+            del plain["export"]["target"]
         for key in self.evaluate.unwritten_keys():
             del plain["evaluate"][key]
         return plain

@@ -93,12 +93,13 @@ class LinearFormats:
         return True  # every named format has scales per channel or per group of a row
 
     def searchable(self) -> bool:
-        return all(grid.searchable() for grid in self._grids())
+        return all(grid.searchable() for grid in self.grids())
 
     def orders_groups(self) -> bool:
-        return all(grid.orders_groups() for grid in self._grids())
+        return all(grid.orders_groups() for grid in self.grids())
 
-    def _grids(self) -> list:
+    def grids(self) -> list:
+        """Every grid the plan may give (an f16 entry gives none: it keeps a linear 16-bit)."""
         return [g for g in map(grid_named, (*self.formats.values(), self.default)) if g is not None]
 
     def embedding_grid(self, cols: int, tied: bool) -> None:

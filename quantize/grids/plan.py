@@ -31,6 +31,8 @@ A *plan* is what a recipe's `scheme:` names (one grid, a format per linear, a ll
   scales span rows);
 - `orders_groups()`: whether GPTQ may form groups in the Hessian's order (actorder group: only
   integer groups, whose g_idx carries the order).
+A plan of several grids (a format per linear) also lists them, `grids()`, which export.target's check
+(recipes/runtime_targets.py) judges before the model is loaded.
 A single grid is a plan that gives itself to every target. Steps ask these; they never branch on a
 grid's class (tests/test_grid_seam.py).
 """
