@@ -28,7 +28,9 @@ from lowbit.quantize.runtime.modules import is_quantized_linear
 from lowbit.quantize.grids.kv import KVCacheConfig
 from lowbit.quantize.targets import listed_targets, slots
 from lowbit.recipes.schema import Recipe, parse_recipe
+from lowbit.recipes.validate import RecipeError
 
+from .coverage import WRITTEN_FLOAT, as_written, check_targets, float_export, float_export_note
 from .checkpoint_files import RECIPE_FILE, config_disagreements, file_integrity, read_config
 
 RESULTS_FILE = "results.json"
@@ -73,12 +75,22 @@ class RunAudit:
     """A run's audit, one portion of the model at a time (export/portions.py calls it on each before
     writing it); the portions' reports add up to the whole model's. What each step should leave is
     read from the model before the steps (a streamed run's float skeleton); scales are judged in
-    the export dtype."""
+    the export dtype. A plan that quantizes nothing is refused here, before any step (coverage.py).
 
-    def __init__(self, recipe: Recipe, model: nn.Module, arch: Arch):
+    The report says what the checkpoint holds: for a float export (coverage.py), the run checks
+    the steps' quantized linears and reports them as written, float. written: `model` is the
+    checkpoint read back (`lowbit audit`), where a float export's linears are float already."""
+
+    def __init__(self, recipe: Recipe, model: nn.Module, arch: Arch, written: bool = False):
         self.expected, self.ignored, self.kv = expected_schemes(recipe, model, arch)
-        self.arch, self.ignore, self.storage_dtype = arch, recipe.ignore, getattr(torch, recipe.export.dtype)
-        self.report = AuditReport()
+        check_targets(recipe, self.expected, self.ignored)
+        self.arch, self.ignore = arch, recipe.ignore
+        self.storage_dtype = None if written else getattr(torch, recipe.export.dtype)  # a file's are stored already
+        self.report = AuditReport(float_export=float_export_note(recipe))
+        self.dequantized = bool(self.report.float_export) and not written  # checked quantized, written float
+        if written and self.report.float_export:
+            self.ignored.update(dict.fromkeys(self.expected, WRITTEN_FLOAT))
+            self.expected, self.kv = {}, None  # the dense format drops the KV cache's quantization too
 
     def noting(self, steps: list[dict]) -> "RunAudit":
         """What the steps' records say beside the checks: damping retries, fallbacks."""
@@ -93,20 +105,23 @@ class RunAudit:
         expected = {n: s for n, s in self.expected.items()
                     if n.startswith(prefixes) or n in outer or n.startswith(tuple(o + "." for o in outer))}
         part = audit_model(model, expected, self.ignored, self.kv, self.arch, self.storage_dtype, ignore=self.ignore)
-        self.report.checked.update(part.checked)
-        self.report.kv = part.kv or self.report.kv
-        self.report.ignored.update({n: why for n, why in part.ignored.items() if n not in self.report.ignored})
-        self.report.problems += part.problems
-        self.report.matrices.add(part.matrices)
+        found = as_written(part) if self.dequantized else part
+        self.report.checked.update(found.checked)
+        self.report.off_plan.update(found.off_plan)
+        self.report.kv = found.kv or self.report.kv
+        self.report.ignored.update({n: why for n, why in found.ignored.items() if n not in self.report.ignored})
+        self.report.problems += found.problems
+        self.report.matrices.add(found.matrices)
         return part
 
     def __call__(self, model: nn.Module, portion: Portion) -> None:
         self.portion(model, portion).raise_if_failed()
 
 
-def audit_run(model: nn.Module, recipe: Recipe, arch: Arch, steps: list[dict]) -> AuditReport:
-    """The run's audit of a model in memory (one portion: the whole model), not raising."""
-    audit = RunAudit(recipe, model, arch).noting(steps)
+def audit_run(model: nn.Module, recipe: Recipe, arch: Arch, steps: list[dict], written: bool = False) -> AuditReport:
+    """The run's audit of a model in memory (one portion: the whole model), not raising on what it
+    finds; `lowbit audit` runs it over the checkpoint read back (written), so the two agree."""
+    audit = RunAudit(recipe, model, arch, written).noting(steps)
     whole, = MemoryLayers(model, arch).portions(len(decoder_layers(model, arch)))
     audit.portion(model, whole)
     return audit.report
@@ -133,10 +148,15 @@ def audit_checkpoint(folder: str | Path, trust_remote_code: bool = False) -> Aud
         if not problems:
             raise
         return AuditReport(problems=problems + [str(err)], integrity=integrity)  # the damaged files are why
-    if not config.get("quantization_config") and not any(is_quantized_linear(m) for m in model.modules()):
+    recipe = saved_recipe(folder)
+    if recipe is not None and float_export(recipe):  # a float export is judged as one, by its recipe
+        if config.get("quantization_config"):
+            problems.append(f"{folder / 'config.json'}: has a quantization_config, but its recipe.yaml asks for a "
+                            f"float export (export.format {recipe.export.format})")
+    elif not config.get("quantization_config") and not any(is_quantized_linear(m) for m in model.modules()):
         return AuditReport(problems=problems + [f"{folder}: not a quantized checkpoint (no quantized module, "
                                                 "no quantization_config in config.json)"], integrity=integrity)
-    report = _audit_loaded(folder, model, config)
+    report = _audit_loaded(folder, model, config, recipe)
     report.problems[:0], report.integrity = problems, integrity
     return report
 
@@ -155,30 +175,37 @@ def audit_before_eval(folder: str | Path, trust_remote_code: bool = False) -> Op
         return AuditReport(problems=[f"audit not completed: {err}"])
 
 
-def _audit_loaded(folder: Path, model: nn.Module, config: dict) -> AuditReport:
-    """The loaded model against its recipe.yaml, else against its config.json."""
+def _audit_loaded(folder: Path, model: nn.Module, config: dict, recipe: Optional[Recipe]) -> AuditReport:
+    """The loaded model against its recipe (recipe.yaml), by the run's own audit, else against its
+    config.json."""
     arch = native_arch(model)
     results = folder / RESULTS_FILE
     steps = json.loads(results.read_text(encoding="utf-8")).get("steps", []) if results.is_file() else []
-    recipe_file = folder / RECIPE_FILE
-    extra: list[str] = []
-    if recipe_file.is_file():
-        data = yaml.safe_load(recipe_file.read_text(encoding="utf-8"))
-        if not isinstance(data, dict):
-            raise ValueError(f"{recipe_file}: not a recipe mapping")
-        recipe = parse_recipe(data, str(recipe_file))
-        expected, ignored, kv = expected_schemes(recipe, model, arch)
-        ignore = recipe.ignore
-    else:
-        qconfig = config.get("quantization_config") or {}
-        ignore = config_ignore_patterns(qconfig)
-        expected, ignored, extra = schemes_from_config(model, qconfig, arch, ignore)
-        saved = config.get(kv_scales.KEY)
-        kv = KVCacheConfig.from_file(saved) if saved else None
+    if recipe is not None:
+        try:
+            return audit_run(model, recipe, arch, steps, written=True)
+        except RecipeError as err:  # a plan that quantizes nothing: what a run refuses before any work
+            return AuditReport(problems=[str(err)])
+    qconfig = config.get("quantization_config") or {}
+    ignore = config_ignore_patterns(qconfig)
+    expected, ignored, extra = schemes_from_config(model, qconfig, arch, ignore)
+    saved = config.get(kv_scales.KEY)
+    kv = KVCacheConfig.from_file(saved) if saved else None
     report = audit_model(model, expected, ignored, kv, arch, damping=tuple(damping_notes(steps)), ignore=ignore)
     report.fallbacks = fallback_notes(steps)
     report.problems += extra
     return report
+
+
+def saved_recipe(folder: Path) -> Optional[Recipe]:
+    """The recipe a lowbit checkpoint was written by (its recipe.yaml), or None."""
+    recipe_file = folder / RECIPE_FILE
+    if not recipe_file.is_file():
+        return None
+    data = yaml.safe_load(recipe_file.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{recipe_file}: not a recipe mapping")
+    return parse_recipe(data, str(recipe_file))
 
 
 def native_arch(model: nn.Module) -> Arch:

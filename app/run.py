@@ -37,6 +37,7 @@ from lowbit.recipes.runtime_targets import check_target
 from lowbit.recipes.schema import Recipe
 
 from .audit import RunAudit
+from .coverage import check_quantizes
 from .lock import output_lock
 from .preflight import preflight, preflight_settings
 from .fit_recipe import resolve_fit
@@ -81,7 +82,8 @@ def run(recipe: Recipe, output: str | Path, resume: bool = False, overwrite: boo
 
 def check_run_output(recipe: Recipe, output: str | Path, overwrite: bool, shown: Optional[str] = None) -> None:
     """Refuse, before any work, an output lowbit may not write: a folder it did not write, or one
-    that is, lies inside or contains the model's folder."""
+    that is, lies inside or contains the model's folder; and a recipe that quantizes nothing."""
+    check_quantizes(recipe)  # before the model is loaded (coverage.py)
     check_output_name(Path(output), "--output", shown or str(output))
     folder = local_model_folder(recipe.model)
     if folder is not None:

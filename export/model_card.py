@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lowbit.quantize.audit import headline
+
 from .formats.hf_folder import code_card_rows
 from .formats.registry import format_of
 from .manifest import MANIFEST, write_manifest, write_text_atomic
@@ -25,10 +27,10 @@ def write_model_card(folder: str | Path, results: dict, name: str | None = None)
 
 def render_card(results: dict, config: dict, name: str) -> str:
     """The card for a checkpoint whose config.json holds `config`; its format says how to load it."""
-    model, recipe = results.get("model", {}), results.get("recipe", {})
+    model, recipe, audit = results.get("model", {}), results.get("recipe", {}), results.get("audit")
     fmt = format_of(config)
     lines = [f"# {name}", "",
-             f"`{model.get('id', '?')}` quantized with lowbit {results.get('lowbit_version', '')}: "
+             f"`{model.get('id', '?')}` {_what_was_done(audit, results.get('lowbit_version', ''))}: "
              f"recipe **{recipe.get('name', '?')}** — {recipe.get('description', '')}".rstrip(" —"), "",
              "| | |", "|---|---|",
              f"| Base model | `{model.get('id', '?')}` ({model.get('model_type', '?')}, "
@@ -40,10 +42,17 @@ def render_card(results: dict, config: dict, name: str) -> str:
              f"| Calibration data | {_calibration(results)} |",
              *_quality_rows(results.get("quality", {})),
              *_memory_rows(results.get("memory", {})),
+             *([f"| Audit | {headline(audit)} (the run's audit; `lowbit audit` of this folder repeats it on the files) |"] if audit else []),
              "", "## Loading", "", *(fmt.loading(config) if fmt else _PLAIN_LOADING), "",
              f"`results.json` holds every figure with its protocol; `recipe.yaml` the resolved recipe; "
              f"`{MANIFEST}` every file's size and sha256.", ""]
     return "\n".join(lines)
+
+
+def _what_was_done(audit: dict | None, version: str) -> str:
+    """"quantized with lowbit", or, for a float export (no quantized weight in the file), that it is not."""
+    note = (audit or {}).get("float_export")
+    return f"**not quantized**, written by lowbit {version} as {note}" if note else f"quantized with lowbit {version}"
 
 
 def _scheme(recipe: dict) -> str:

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from audit_agreement import assert_audits_agree
 from export_helpers import compare_logits, load_without_tokenizer, quantized_tiny, token_ids
 from tiny_models import save_tiny_llama
 from lowbit.evaluate.memory import checkpoint_weight_bytes, model_weight_bytes
@@ -131,7 +132,12 @@ def test_run_with_export_format_dense(tmp_path, capsys):
              "evaluate.perplexity.max_tokens=256", "evaluate.perplexity.context_len=128",
              "evaluate.perplexity.stride=128", "export.format=dense"]
     code = main(["run", "w4a16-rtn", "--model", str(model_dir), "--output", str(out), *[f"--set={s}" for s in small]])
-    assert code == 0, capsys.readouterr().err
+    said = capsys.readouterr()
+    assert code == 0, said.err
+    # quantized in memory, written dequantized: a float export, and `lowbit audit` says what the run said
+    audit = assert_audits_agree(out, said.out, capsys)
+    assert audit["float_export"] == ("a float export (export.format dense): the rtn int4 sym group 64 weights "
+                                     "written dequantized to bfloat16")
     results = json.loads((out / "results.json").read_text())
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     params = sum(t.numel() for t in load_file(out / "model.safetensors").values())

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 class ExportFormat(ABC):
     name: str  # the value of export.format and `lowbit export --format`
     summary: str  # one line: what the format holds and who loads it
+    # whether the checkpoint keeps quantized modules; a float format (dense) writes them dequantized,
+    # so a run exporting to it is a float export, audited and carded as not quantized
+    holds_quantized: bool = True
 
     @abstractmethod
     def write(self, model: nn.Module, tokenizer, folder: Path, cfg: ExportConfig,

@@ -19,6 +19,7 @@ class DenseFormat(ExportFormat):
     name = "dense"
     summary = ("dense: a plain 16-bit transformers checkpoint, quantized weights dequantized, "
                "no quantization_config (activation and KV-cache quantization dropped)")
+    holds_quantized = False
 
     def write(self, model, tokenizer, folder: Path, cfg, extra_files: dict[str, str]) -> None:
         quantized = quantized_modules(model)
