@@ -73,7 +73,6 @@ def matches(when: dict, facts: dict) -> bool:
     return all(facts.get(k) in v if isinstance(v, tuple) else facts.get(k) == v for k, v in when.items())
 
 
-OTHER_BITS = (2, 3, 5, 6, 7)  # integer widths other than 4 and 8
 GPTQ_ONLY = "vLLM 0.32's GPTQ loader takes 4- and 8-bit symmetric weights only"
 GPTQ_SOURCE = "vllm/model_executor/layers/quantization/auto_gptq.py:99-102, 152-155"
 FP8_KV = "kv_cache: {format: fp8, strategy: tensor}"
