@@ -44,6 +44,11 @@ def smallest_bytes(options: dict[str, list[Option]]) -> int:
     return sum(min(o.bytes for o in opts) for opts in options.values())
 
 
+def least_loss(options: dict[str, list[Option]]) -> dict[str, Option]:
+    """Each linear's option of least loss (of equal losses, the fewest bytes): the best plan of all."""
+    return {name: min(opts, key=lambda o: (o.loss, o.bytes)) for name, opts in options.items()}
+
+
 def allocate(options: dict[str, list[Option]], budget: int, cells: int = 20000) -> Plan:
     """The plan of least summed loss whose bytes fit `budget` (see the module docstring)."""
     if not options:
@@ -52,6 +57,9 @@ def allocate(options: dict[str, list[Option]], budget: int, cells: int = 20000) 
     if budget < floor:
         raise ValueError(f"a budget of {budget} bytes is below the smallest plan, {floor} bytes "
                          "(every linear at its smallest type)")
+    unconstrained = least_loss(options)  # where it fits no solve is needed, and rounding cannot lose it
+    if sum(o.bytes for o in unconstrained.values()) <= budget:
+        return Plan(unconstrained, budget, 1)
     unit = max(1, math.ceil((budget - floor) / cells))
     capacity = (budget - floor) // unit
     names = list(options)

@@ -71,3 +71,14 @@ def test_a_budget_of_exactly_the_smallest_plan_gets_it_however_coarse_the_cells(
     plan = allocate(options, floor, cells=10)
     assert plan.bytes == floor
     assert all(o.bytes == min(x.bytes for x in options[n]) for n, o in plan.choice.items())
+
+
+def test_a_budget_of_exactly_the_least_loss_plan_gets_it_however_coarse_the_cells():
+    """Rounding sizes up to whole cells could leave the widest plan just out of reach (a 16 bits per
+    weight budget planned one linear below f16); a budget that holds every linear's least-loss
+    option gets that plan, the optimum of any budget."""
+    options = random_options(random.Random(11), 40, 4)
+    widest = sum(max(x.bytes for x in opts) for opts in options.values())  # losses fall as bytes grow
+    plan = allocate(options, widest, cells=10)
+    assert plan.bytes == widest and plan.loss == sum(min(x.loss for x in opts) for opts in options.values())
+    assert allocate(options, widest - 1, cells=10).loss > plan.loss
